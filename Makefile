@@ -1,0 +1,43 @@
+# lowtide — `make demo` and `make test` set everything up themselves on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+export PATH := $(CURDIR)/$(BIN):$(PATH)
+
+.PHONY: venv demo test test-fast lint fmt bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+demo: venv
+	bash scripts/demo.sh
+
+lint: venv
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+test: lint
+	$(BIN)/pytest -q
+
+test-fast: venv
+	$(BIN)/pytest -q -m "not slow"
+
+fmt: venv
+	$(BIN)/ruff format src tests benchmarks
+	$(BIN)/ruff check --fix src tests benchmarks
+
+bench: venv
+	$(BIN)/python benchmarks/scheduler.py
+	$(BIN)/python benchmarks/api_submit.py
+
+clean:
+	rm -rf $(VENV) .lowtide .lowtide-demo .pytest_cache .mypy_cache .ruff_cache benchmarks/results

@@ -1,0 +1,1 @@
+"""The outside world, one seam each: executors, storage, GPU discovery, templates."""

@@ -1,0 +1,666 @@
+"""The local executor: runs step attempts as processes on this machine (optionally in containers).
+
+Implements `control.executor_port.Executor`. Each attempt runs under `adapters.step_shim` in its
+own session and process group, with stdout and stderr appended to the attempt's log; stopping is
+cooperative: `notify_stop` writes the notice file and SIGTERMs the group, and the first `poll` at or
+after the deadline SIGKILLs it. The shim records the exit status in ``<work_dir>/exit_status.json``
+and the executor writes ``<work_dir>/shim.json`` (pid and start time), so a control plane that
+crashed can `adopt` running attempts and learn how finished ones ended.
+
+With a `container.ContainerRuntime`, the shim runs the docker/podman client instead of the
+command; SIGTERM to the client is proxied to the container, but a SIGKILLed client leaves the
+container running, so the deadline also runs ``<runtime> kill <name>``.
+
+When an attempt ends, whatever it left running is killed (it would keep holding the GPUs): its
+process group, and every process whose environment carries the attempt's tag (`TAG_ENV`), which
+also finds descendants that left the group or outlived a dead shim.
+
+Safety rules: a group is only signalled while its leader is verifiably our shim (an unreaped child
+of ours, or pid and start time matching); single processes only by our tag; another installation's
+processes are never touched. Every method takes `now` and none sleeps; `runtime kill` helpers are
+started and reaped by later polls. Not thread-safe: the control loop calls it from one thread.
+
+Must not: decide retries or deadlines, touch the store, read configuration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from lowtide.adapters.container import (
+    CUDA_VISIBLE_DEVICES,
+    ContainerRuntime,
+    container_command,
+    container_name,
+)
+from lowtide.control.executor_port import (
+    AdoptOutcome,
+    AdoptRequest,
+    AdoptResult,
+    AttemptExit,
+    ExecutorError,
+    LaunchRequest,
+    ProcessIdentity,
+)
+
+log = logging.getLogger(__name__)
+
+SHIM_MODULE = "lowtide.adapters.step_shim"
+EXIT_FILE = "exit_status.json"
+SHIM_FILE = "shim.json"
+START_TIME_TOLERANCE = 0.01  # seconds; psutil's create_time is derived from boot time and jiffies
+# Set in every step's environment ("<instance>/<attempt id>") and inherited by its descendants,
+# so what a step leaves behind can be found even after its group leader is gone or if it left the
+# group (setsid). Processes are only ever killed by this tag or by a verified group leader.
+TAG_ENV = "LOWTIDE_SHIM_TAG"
+
+# Launch failures that may succeed later: the machine is short of processes, memory or fds.
+_TEMPORARY_ERRNOS = frozenset(
+    {errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.ENOSPC, errno.EINTR, errno.EBUSY}
+)
+
+
+# Children of this process that no executor watches any more (after `close`). Kept referenced
+# so they are reaped by a later poll when they exit, instead of lingering as zombies or being
+# reported as "still running" when garbage-collected. Process-wide, as child processes are.
+_DETACHED: list[subprocess.Popen[bytes]] = []
+
+
+def _reap(children: list[subprocess.Popen[bytes]]) -> None:
+    children[:] = [p for p in children if p.poll() is None]
+
+
+@dataclass(slots=True)
+class _Watch:
+    """One attempt being watched."""
+
+    attempt_id: int
+    identity: ProcessIdentity
+    exit_file: str
+    notice_path: str
+    popen: subprocess.Popen[bytes] | None  # None for adopted attempts (not our child)
+    container: str | None  # container name when run through a runtime
+    deadline: float | None = None
+    killed_at_deadline: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Status:
+    exit_code: int | None
+    signal: int | None
+    ended_at: float
+
+
+def _atomic_write_json(path: str, payload: dict[str, Any]) -> None:
+    """Write tmp + rename, so a reader (the step, a restarted control plane) never sees half a file."""
+    tmp = Path(f"{path}.tmp.{os.getpid()}")
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            json.dump(payload, f)
+        tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def _read_status(path: str) -> _Status | None:
+    """The recorded exit status, or None if the file is missing or not a valid status."""
+    try:
+        with Path(path).open(encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("unreadable exit file %s: %s", path, exc)
+        return None
+    fields = data if isinstance(data, dict) else {}
+    code, sig, ended = fields.get("exit_code"), fields.get("signal"), fields.get("ended_at")
+    # `type(x) is int` rejects bools, which JSON true/false would otherwise pass as ints.
+    if (
+        (code is not None and type(code) is not int)
+        or (sig is not None and type(sig) is not int)
+        or isinstance(ended, bool)
+        or not isinstance(ended, int | float)
+    ):
+        log.warning("invalid exit file %s: %r", path, data)
+        return None
+    return _Status(exit_code=code, signal=sig, ended_at=float(ended))
+
+
+def _parse_shim_cmdline(cmdline: Sequence[str]) -> tuple[str, int] | None:
+    """(instance, attempt id) if `cmdline` is a step shim's; options after ``--`` are the step's."""
+    try:
+        start = cmdline.index(SHIM_MODULE)
+    except ValueError:
+        return None
+    if start == 0 or cmdline[start - 1] != "-m":
+        return None
+    instance: str | None = None
+    attempt: int | None = None
+    args = list(cmdline[start + 1 :])
+    for i, arg in enumerate(args[:-1]):
+        if arg == "--":
+            break
+        if arg == "--instance":
+            instance = args[i + 1]
+        elif arg == "--attempt":
+            try:
+                attempt = int(args[i + 1])
+            except ValueError:
+                return None
+    if instance is None or attempt is None:
+        return None
+    return instance, attempt
+
+
+def _iter_shims() -> Iterator[tuple[psutil.Process, str, int]]:
+    """Live (non-zombie) step shims on this machine: (process, instance, attempt id)."""
+    for proc in psutil.process_iter():
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            parsed = _parse_shim_cmdline(proc.cmdline())
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        if parsed is not None:
+            yield proc, parsed[0], parsed[1]
+
+
+def _tag(instance_id: str, attempt_id: int) -> str:
+    return f"{instance_id}/{attempt_id}"
+
+
+def _parse_tag(tag: str) -> tuple[str, int] | None:
+    instance, _, attempt = tag.rpartition("/")
+    try:
+        return (instance, int(attempt)) if instance else None
+    except ValueError:
+        return None
+
+
+def _process_tag(proc: psutil.Process) -> str | None:
+    try:
+        return proc.environ().get(TAG_ENV)
+    except (psutil.Error, OSError):
+        return None
+
+
+def _kill_tagged(tag: str) -> None:
+    """SIGKILL every live process carrying `tag`: a finished attempt's leftovers."""
+    me = os.getpid()
+    for proc in psutil.process_iter():
+        if proc.pid != me and _process_tag(proc) == tag:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()  # psutil refuses if the pid was reused since it listed the process
+                log.info("killed pid %s left behind by attempt %s", proc.pid, tag)
+
+
+def _same_process(identity: ProcessIdentity) -> psutil.Process | None:
+    """The process with this pid if it is the one that started at `identity.started_at`."""
+    try:
+        proc = psutil.Process(identity.pid)
+        if abs(proc.create_time() - identity.started_at) > START_TIME_TOLERANCE:
+            return None
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    return proc
+
+
+def _is_zombie(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _classify_os_error(exc: OSError, what: str) -> ExecutorError:
+    temporary = exc.errno in _TEMPORARY_ERRNOS
+    return ExecutorError(f"{what}: {exc}", temporary=temporary)
+
+
+def _check_command(command: Sequence[str], env: dict[str, str], cwd: str) -> None:
+    """Fail the launch now (permanently) when the command cannot be executed at all."""
+    if not command:
+        raise ExecutorError("empty command", temporary=False)
+    exe = command[0]
+    if "/" in exe:
+        path = Path(cwd, exe)  # an absolute exe replaces cwd
+        if not path.is_file():
+            raise ExecutorError(f"command not found: {exe}", temporary=False)
+        if not os.access(path, os.X_OK):
+            raise ExecutorError(f"command is not executable: {exe}", temporary=False)
+    elif shutil.which(exe, path=env.get("PATH", os.defpath)) is None:
+        raise ExecutorError(f"command not found on PATH: {exe}", temporary=False)
+
+
+class LocalExecutor:
+    """Runs attempts as local process groups; see the module docstring."""
+
+    def __init__(
+        self,
+        instance_id: str,
+        *,
+        runtime: ContainerRuntime | None = None,
+        python: str = sys.executable,
+    ) -> None:
+        if not instance_id or any(c.isspace() for c in instance_id):
+            raise ValueError(f"instance id must be non-empty without spaces: {instance_id!r}")
+        self.instance_id = instance_id
+        self._runtime = runtime
+        self._python = python
+        self._watched: dict[int, _Watch] = {}
+        self._reap_later: list[subprocess.Popen[bytes]] = []  # exited shims and `runtime kill`s
+
+    # -- launch ---------------------------------------------------------------------------
+
+    def launch(self, request: LaunchRequest, now: float) -> ProcessIdentity:
+        if request.attempt_id in self._watched:
+            raise ExecutorError(f"attempt {request.attempt_id} is already running", temporary=False)
+        req = replace(request, work_dir=str(Path(request.work_dir).absolute()))
+        env = {**os.environ, **req.env}
+        if CUDA_VISIBLE_DEVICES not in req.env:
+            # Never let a step inherit the control plane's view of the GPUs (inference's among them).
+            env[CUDA_VISIBLE_DEVICES] = ",".join(str(i) for i in sorted(req.gpus))
+        env[TAG_ENV] = _tag(self.instance_id, req.attempt_id)
+        name: str | None = None
+        if self._runtime is not None:
+            if not os.access(self._runtime.binary, os.X_OK):
+                raise ExecutorError(
+                    f"runtime {self._runtime.engine!r} executable {self._runtime.binary!r} is missing",
+                    temporary=False,
+                )
+            name = container_name(self.instance_id, req.attempt_id)
+            try:
+                command = container_command(self._runtime, req, name=name)
+            except ValueError as exc:
+                raise ExecutorError(str(exc), temporary=False) from exc
+        else:
+            command = list(req.command)
+            _check_command(command, env, req.work_dir)
+
+        work_dir = Path(req.work_dir)
+        exit_file = str(work_dir / EXIT_FILE)
+        argv = [
+            self._python, "-I", "-m", SHIM_MODULE,
+            "--instance", self.instance_id,
+            "--attempt", str(req.attempt_id),
+            "--exit-file", exit_file,
+            "--", *command,
+        ]  # fmt: skip
+        try:
+            for directory in {work_dir, Path(req.log_path).parent, Path(req.notice_path).parent}:
+                directory.mkdir(parents=True, exist_ok=True)
+            # Leftovers of an earlier launch of this attempt would be read as this run's.
+            for stale in (exit_file, req.notice_path, work_dir / SHIM_FILE):
+                Path(stale).unlink(missing_ok=True)
+            with Path(req.log_path).open("ab") as logf:
+                stamp = datetime.fromtimestamp(now, UTC).isoformat(timespec="seconds")
+                header = (
+                    f"=== lowtide {stamp}: job {req.job_id} step {req.step} attempt {req.attempt} "
+                    f"(id {req.attempt_id}) on {req.node} gpus [{','.join(map(str, req.gpus))}]: "
+                    f"{shlex.join(command)}\n"
+                )
+                logf.write(header.encode())
+                logf.flush()
+                popen = subprocess.Popen(
+                    argv,
+                    cwd=req.work_dir,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # own group; no SIGHUP when the control plane dies
+                    close_fds=True,
+                )
+        except FileNotFoundError as exc:
+            raise ExecutorError(f"cannot start attempt {req.attempt_id}: {exc}", temporary=False) from exc
+        except OSError as exc:
+            raise _classify_os_error(exc, f"cannot start attempt {req.attempt_id}") from exc
+
+        try:
+            started_at = psutil.Process(popen.pid).create_time()
+        except psutil.Error as exc:  # cannot happen for an unreaped child; be explicit if it does
+            popen.kill()
+            self._reap_later.append(popen)
+            raise ExecutorError(f"cannot read start time of pid {popen.pid}: {exc}", temporary=True) from exc
+        identity = ProcessIdentity(pid=popen.pid, started_at=started_at)
+        try:
+            _atomic_write_json(
+                str(work_dir / SHIM_FILE),
+                {
+                    "pid": identity.pid,
+                    "started_at": identity.started_at,
+                    "instance": self.instance_id,
+                    "attempt_id": req.attempt_id,
+                    "container": name,
+                },
+            )
+        except OSError as exc:  # only an aid to adoption: the process runs, so keep it
+            log.warning("attempt %s: cannot write %s: %s", req.attempt_id, SHIM_FILE, exc)
+        self._watched[req.attempt_id] = _Watch(
+            attempt_id=req.attempt_id,
+            identity=identity,
+            exit_file=exit_file,
+            notice_path=req.notice_path,
+            popen=popen,
+            container=name,
+        )
+        return identity
+
+    # -- stop -----------------------------------------------------------------------------
+
+    def notify_stop(
+        self, attempt_id: int, deadline: float, now: float, *, reason: str = "stop requested"
+    ) -> None:
+        watch = self._watched.get(attempt_id)
+        if watch is None:
+            raise ExecutorError(f"attempt {attempt_id} is not watched by this executor", temporary=False)
+        first = watch.deadline is None
+        if not first and watch.deadline is not None and deadline >= watch.deadline:
+            return  # idempotent: a later or equal deadline changes nothing
+        watch.deadline = deadline
+        notice = {
+            "deadline": deadline,
+            "deadline_iso": datetime.fromtimestamp(deadline, UTC).isoformat(),
+            "reason": reason,
+            "given_at": now,
+        }
+        try:
+            _atomic_write_json(watch.notice_path, notice)
+        except OSError as exc:
+            # SIGTERM is the notice that matters; the file only carries the deadline.
+            log.warning("attempt %s: cannot write notice %s: %s", attempt_id, watch.notice_path, exc)
+        if first:
+            self._signal_group(watch, signal.SIGTERM)
+
+    @staticmethod
+    def _group_is_ours(watch: _Watch) -> bool:
+        """True when the group `identity.pid` is this attempt's: its leader, the shim, is still
+        there (running or a zombie) with the recorded start time, so the id cannot name another
+        group. A group whose leader is gone is left to the tag sweep."""
+        if watch.popen is not None and watch.popen.returncode is None:
+            return True  # an unreaped child's pid cannot be reused
+        return _same_process(watch.identity) is not None
+
+    def _signal_group(self, watch: _Watch, sig: signal.Signals) -> None:
+        if not self._group_is_ours(watch):
+            log.info(
+                "attempt %s: group leader %s is gone; not signalled", watch.attempt_id, watch.identity.pid
+            )
+            return
+        try:
+            os.killpg(watch.identity.pid, sig)
+        except ProcessLookupError:
+            pass  # already gone; the next poll reports it
+        except PermissionError as exc:
+            raise ExecutorError(f"cannot signal attempt {watch.attempt_id}: {exc}", temporary=False) from exc
+
+    def _sweep(self, watch: _Watch) -> None:
+        """Kill what a finished attempt left behind: it would keep holding the GPUs."""
+        with contextlib.suppress(ExecutorError):
+            self._signal_group(watch, signal.SIGKILL)
+        _kill_tagged(_tag(self.instance_id, watch.attempt_id))
+
+    def _kill_container(self, attempt_id: int, container: str | None) -> None:
+        if self._runtime is None or container is None:
+            return
+        try:
+            helper = subprocess.Popen(
+                [self._runtime.binary, "kill", container],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            log.warning("attempt %s: cannot run %s kill: %s", attempt_id, self._runtime.engine, exc)
+            return
+        self._reap_later.append(helper)
+
+    # -- watch ----------------------------------------------------------------------------
+
+    def poll(self, now: float) -> list[AttemptExit]:
+        _reap(self._reap_later)
+        _reap(_DETACHED)
+        exits: list[AttemptExit] = []
+        for watch in list(self._watched.values()):
+            try:
+                result = self._poll_one(watch, now)
+            except Exception:
+                # One bad attempt must not blind the loop to the others.
+                log.exception("attempt %s: poll failed", watch.attempt_id)
+                continue
+            if result is not None:
+                del self._watched[watch.attempt_id]
+                exits.append(result)
+        return exits
+
+    def _alive(self, watch: _Watch) -> bool:
+        if watch.popen is not None:
+            # WNOWAIT: look without reaping, so the pid stays reserved until we sweep the group.
+            try:
+                info = os.waitid(os.P_PID, watch.identity.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                # Reaped behind our back (a SIGCHLD handler?): fall back to pid + start time.
+                watch.popen = None
+            else:
+                return info is None
+        proc = _same_process(watch.identity)
+        if proc is None:
+            return False
+        if _is_zombie(proc):
+            self._reap_if_child(proc)
+            return False
+        return True
+
+    @staticmethod
+    def _reap_if_child(proc: psutil.Process) -> None:
+        """An adopted shim can be our child when the same process re-adopts (tests, embedded)."""
+        try:
+            if proc.ppid() == os.getpid():
+                os.waitpid(proc.pid, os.WNOHANG)
+        except (psutil.Error, ChildProcessError):
+            pass
+
+    def _poll_one(self, watch: _Watch, now: float) -> AttemptExit | None:
+        status = _read_status(watch.exit_file)
+        if status is None:
+            if self._alive(watch):
+                if watch.deadline is not None and now >= watch.deadline and not watch.killed_at_deadline:
+                    log.info("attempt %s: grace deadline passed; killing its group", watch.attempt_id)
+                    self._signal_group(watch, signal.SIGKILL)
+                    self._kill_container(watch.attempt_id, watch.container)
+                    watch.killed_at_deadline = True
+                return None
+            # Gone: the shim may have written its status just before exiting.
+            status = _read_status(watch.exit_file)
+        # Finished. Sweep leftovers while an unreaped shim still reserves the group id, then reap.
+        self._sweep(watch)
+        if status is None and not watch.killed_at_deadline:
+            self._kill_container(watch.attempt_id, watch.container)  # the client died, maybe not it
+        returncode: int | None = None
+        if watch.popen is not None:
+            returncode = watch.popen.poll()
+            if returncode is None:
+                self._reap_later.append(watch.popen)  # wrote its status, exits in a moment
+        if status is not None:
+            return AttemptExit(
+                attempt_id=watch.attempt_id,
+                exit_code=status.exit_code,
+                signal=status.signal,
+                ended_at=status.ended_at,
+                killed_at_deadline=watch.killed_at_deadline,
+            )
+        sig: int | None = -returncode if returncode is not None and returncode < 0 else None
+        if sig is None and watch.killed_at_deadline:
+            sig = signal.SIGKILL  # we killed it and nobody was left to record it
+        log.warning(
+            "attempt %s: ended without an exit status (shim return code %s)", watch.attempt_id, returncode
+        )
+        return AttemptExit(
+            attempt_id=watch.attempt_id,
+            exit_code=None,
+            signal=sig,
+            ended_at=now,
+            killed_at_deadline=watch.killed_at_deadline,
+        )
+
+    # -- adoption -------------------------------------------------------------------------
+
+    def adopt(self, request: AdoptRequest, now: float) -> AdoptResult:
+        known = self._watched.get(request.attempt_id)
+        if known is not None:
+            return AdoptResult(AdoptOutcome.ADOPTED, identity=known.identity)
+        work_dir = Path(request.work_dir).absolute()
+        exit_file = str(work_dir / EXIT_FILE)
+        shim_info = self._read_shim_file(work_dir, request.attempt_id)
+        container = shim_info[1] if shim_info is not None else None
+        if container is None and self._runtime is not None:
+            container = container_name(self.instance_id, request.attempt_id)
+
+        identity = request.identity
+        if _read_status(exit_file) is None:
+            if identity is not None:
+                live = self._is_live_shim(identity, request.attempt_id, require_instance=False)
+            else:
+                identity = self._find_shim(request.attempt_id, shim_info[0] if shim_info else None)
+                live = identity is not None
+            if live and identity is not None:
+                # Notice is written before SIGTERM: no notice file means the earlier control plane
+                # died before giving it, so give it now (a step sees SIGTERM once per notice file).
+                resend = request.stop_deadline is not None and not Path(request.notice_path).exists()
+                watch = _Watch(
+                    attempt_id=request.attempt_id,
+                    identity=identity,
+                    exit_file=exit_file,
+                    notice_path=request.notice_path,
+                    popen=None,
+                    container=container,
+                    deadline=None if resend else request.stop_deadline,
+                )
+                self._watched[request.attempt_id] = watch
+                if resend and request.stop_deadline is not None:
+                    self.notify_stop(request.attempt_id, request.stop_deadline, now)
+                return AdoptResult(AdoptOutcome.ADOPTED, identity=identity)
+
+        # Not running: it finished while we were down, or vanished. Its leftovers must not keep
+        # the GPUs; only processes carrying its tag are touched (never whoever has the pid now).
+        _kill_tagged(_tag(self.instance_id, request.attempt_id))
+        status = _read_status(exit_file)  # re-read: it may have been written since the first look
+        known_identity = request.identity or (shim_info[0] if shim_info else None)
+        if status is None:
+            self._kill_container(request.attempt_id, container)  # its client is gone, maybe not it
+            return AdoptResult(AdoptOutcome.LOST, identity=known_identity)
+        return AdoptResult(
+            AdoptOutcome.EXITED,
+            exit=AttemptExit(request.attempt_id, status.exit_code, status.signal, status.ended_at),
+            identity=known_identity,
+        )
+
+    def _is_live_shim(self, identity: ProcessIdentity, attempt_id: int, *, require_instance: bool) -> bool:
+        proc = _same_process(identity)
+        if proc is None:
+            return False
+        try:
+            if _is_zombie(proc):
+                self._reap_if_child(proc)
+                return False
+            parsed = _parse_shim_cmdline(proc.cmdline())
+        except psutil.Error:
+            return False
+        if parsed is None or parsed[1] != attempt_id:
+            return False
+        return not require_instance or parsed[0] == self.instance_id
+
+    def _read_shim_file(self, work_dir: Path, attempt_id: int) -> tuple[ProcessIdentity, str | None] | None:
+        path = work_dir / SHIM_FILE
+        try:
+            with path.open(encoding="utf-8") as f:
+                data = json.load(f)
+            if data.get("instance") != self.instance_id or data.get("attempt_id") != attempt_id:
+                return None
+            identity = ProcessIdentity(pid=int(data["pid"]), started_at=float(data["started_at"]))
+            container = data.get("container")
+            return identity, container if isinstance(container, str) else None
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.warning("unreadable %s: %s", path, exc)
+            return None
+
+    def _find_shim(self, attempt_id: int, hint: ProcessIdentity | None) -> ProcessIdentity | None:
+        if hint is not None and self._is_live_shim(hint, attempt_id, require_instance=True):
+            return hint
+        for proc, instance, found in _iter_shims():
+            if instance == self.instance_id and found == attempt_id:
+                try:
+                    return ProcessIdentity(pid=proc.pid, started_at=proc.create_time())
+                except psutil.Error:
+                    continue
+        return None
+
+    # -- housekeeping ---------------------------------------------------------------------
+
+    def reap_orphans(self, known_attempt_ids: set[int]) -> list[int]:
+        killed: set[int] = set()
+        for proc, instance, attempt_id in _iter_shims():
+            if instance != self.instance_id or attempt_id in known_attempt_ids:
+                continue
+            try:
+                # is_running() re-checks the start time: the pid still names the shim we listed.
+                # The shim leads its group (new session); if it somehow does not, kill only it.
+                if proc.is_running() and os.getpgid(proc.pid) == proc.pid:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                else:
+                    proc.kill()
+            except (ProcessLookupError, psutil.NoSuchProcess):
+                continue
+            except (PermissionError, psutil.AccessDenied) as exc:
+                log.warning("cannot kill orphan shim of attempt %s (pid %s): %s", attempt_id, proc.pid, exc)
+                continue
+            log.info("killed orphan attempt %s (shim pid %s)", attempt_id, proc.pid)
+            killed.add(attempt_id)
+        # What outlived its shim (or left its group) still carries the attempt's tag.
+        me = os.getpid()
+        for proc in psutil.process_iter():
+            tag = _process_tag(proc) if proc.pid != me else None
+            parsed = _parse_tag(tag) if tag else None
+            if parsed is None or parsed[0] != self.instance_id or parsed[1] in known_attempt_ids:
+                continue
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                proc.kill()
+                log.info("killed pid %s left by orphan attempt %s", proc.pid, parsed[1])
+                killed.add(parsed[1])
+        if self._runtime is not None:
+            for attempt_id in killed:
+                self._kill_container(attempt_id, container_name(self.instance_id, attempt_id))
+        return sorted(killed)
+
+    def close(self) -> None:
+        """Stop watching; processes keep running for a later control plane to adopt."""
+        _DETACHED.extend(w.popen for w in self._watched.values() if w.popen is not None)
+        _DETACHED.extend(self._reap_later)
+        self._watched.clear()
+        self._reap_later = []
+        _reap(_DETACHED)
+
+    def watched(self) -> set[int]:
+        """Attempt ids currently watched (for diagnostics and tests)."""
+        return set(self._watched)

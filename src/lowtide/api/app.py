@@ -1,0 +1,461 @@
+"""The FastAPI application: routes over the store, shaped errors, OpenAPI at /docs.
+
+Neighbours: `wiring` builds an `ApiContext` (store, clock, nodes, layout, templates) and calls
+`create_app`; the control loop runs beside it and is woken through `on_change` after a submit or
+cancel. Must not: start, stop or signal processes (the loop does, through its executor).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
+from fastapi.responses import PlainTextResponse, StreamingResponse
+
+from lowtide import __version__
+from lowtide.api import schemas
+from lowtide.api.auth import Principal, authenticate, require_admin, require_owner_or_admin, require_people
+from lowtide.api.errors import ApiError, install_error_handlers
+from lowtide.api.metrics import LoopStatus, metrics_text
+from lowtide.control.clock import Clock
+from lowtide.control.records import NewJob, NotFound
+from lowtide.domain.gpus import Node
+from lowtide.domain.ids import new_job_id
+from lowtide.domain.layout import ArtifactLayout
+from lowtide.domain.spec import JobSpec
+from lowtide.domain.spec_parse import (
+    MAX_SPEC_BYTES,
+    SpecInvalid,
+    TemplateLookup,
+    build_job_spec,
+    parse_document,
+    parse_param_assignment,
+    render_step,
+)
+from lowtide.domain.states import AttemptState, JobState
+from lowtide.store.repo import Store
+
+_T = TypeVar("_T")
+
+SPEC_TYPES = {
+    "application/json": "json",
+    "application/yaml": "yaml",
+    "application/x-yaml": "yaml",
+    "text/yaml": "yaml",
+    "text/x-yaml": "yaml",
+    "text/plain": "auto",
+    "application/octet-stream": "auto",
+}
+_SPEC_BODY = {
+    "requestBody": {
+        "required": True,
+        "description": "A job spec (DESIGN §5) as YAML or JSON, at most 1 MiB.",
+        "content": {
+            "application/yaml": {"schema": {"type": "string"}},
+            "application/json": {"schema": {"type": "object"}},
+        },
+    }
+}
+
+
+@dataclass
+class ApiContext:
+    store: Store
+    clock: Clock
+    nodes: tuple[Node, ...]
+    layout: ArtifactLayout
+    templates: TemplateLookup | None = None
+    auth_enabled: bool = True
+    max_body_bytes: int = MAX_SPEC_BYTES
+    on_change: Callable[[], None] = lambda: None
+    loop_status: Callable[[], LoopStatus | None] = lambda: None
+    log_poll_s: float = 0.25
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def max_gpus_per_node(self) -> int:
+        return max((n.gpu_count for n in self.nodes), default=0)
+
+
+def _ctx(request: Request) -> ApiContext:
+    ctx: ApiContext = request.app.state.ctx
+    return ctx
+
+
+def _principal(request: Request) -> Principal:
+    ctx = _ctx(request)
+    return authenticate(request, ctx.store, enabled=ctx.auth_enabled)
+
+
+async def _spec_body(request: Request) -> tuple[bytes, str]:
+    """The raw spec, refused early when its type is unknown or it is larger than the limit."""
+    ctx = _ctx(request)
+    ctype = request.headers.get("content-type", "application/yaml").split(";")[0].strip().lower()
+    fmt = SPEC_TYPES.get(ctype)
+    if fmt is None:
+        raise ApiError(
+            415,
+            "unsupported_media_type",
+            f"cannot read a job spec sent as '{ctype}'",
+            [("header.Content-Type", "use application/yaml or application/json")],
+        )
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > ctx.max_body_bytes:
+        raise _too_large(int(declared), ctx.max_body_bytes)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > ctx.max_body_bytes:
+            raise _too_large(size, ctx.max_body_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks), fmt
+
+
+Who = Annotated[Principal, Depends(_principal)]
+Params = Annotated[list[str] | None, Query(description="parameter override, k=v (repeatable)")]
+Body = Annotated[tuple[bytes, str], Depends(_spec_body)]
+
+
+def create_app(ctx: ApiContext) -> FastAPI:
+    app = FastAPI(
+        title="lowtide",
+        version=__version__,
+        description="Run research jobs on the GPUs your inference fleet is not using.",
+        responses={
+            401: {"model": schemas.ErrorOut, "description": "missing or unknown token"},
+            403: {"model": schemas.ErrorOut, "description": "not allowed for this token"},
+            422: {"model": schemas.ErrorOut, "description": "invalid request; `errors` names each field"},
+        },
+    )
+    install_error_handlers(app)
+    app.state.ctx = ctx
+    v1 = APIRouter(prefix="/v1")
+
+    # -- jobs ----------------------------------------------------------------------------------
+
+    def _parse(data: bytes, fmt: str, param: list[str] | None) -> JobSpec:
+        overrides: dict[str, Any] = {}
+        issues: list[tuple[str, str]] = []
+        for i, text in enumerate(param or []):
+            try:
+                key, value = parse_param_assignment(text)
+                overrides[key] = value
+            except ValueError as exc:
+                issues.append((f"query.param[{i}]", str(exc)))
+        if issues:
+            raise ApiError(422, "invalid_spec", "invalid parameter override", issues)
+        try:
+            doc = parse_document(data, fmt=fmt)  # type: ignore[arg-type]
+            return build_job_spec(
+                doc,
+                templates=ctx.templates,
+                param_overrides=overrides,
+                max_gpus_per_node=ctx.max_gpus_per_node,
+            )
+        except SpecInvalid as exc:
+            raise _spec_error(exc) from exc
+
+    @v1.post(
+        "/jobs",
+        status_code=201,
+        response_model=schemas.JobOut,
+        responses={413: {"model": schemas.ErrorOut}, 415: {"model": schemas.ErrorOut}},
+        openapi_extra=_SPEC_BODY,
+        summary="Submit a job (YAML or JSON spec)",
+    )
+    def submit_job(who: Who, body: Body, response: Response, param: Params = None) -> schemas.JobOut:
+        require_people(who)
+        data, fmt = body
+        spec = _parse(data, fmt, param)
+        job_id = _create(spec, data.decode("utf-8"), who.name, rerun_of=None)
+        response.headers["Location"] = f"/v1/jobs/{job_id}"
+        return schemas.job_out(ctx.store.job(job_id))
+
+    @v1.post(
+        "/jobs/validate",
+        response_model=schemas.DryRunOut,
+        responses={413: {"model": schemas.ErrorOut}, 415: {"model": schemas.ErrorOut}},
+        openapi_extra=_SPEC_BODY,
+        summary="Validate a job spec and show it expanded (templates, parameters); stores nothing",
+    )
+    def validate_job(who: Who, body: Body, param: Params = None) -> schemas.DryRunOut:
+        require_people(who)
+        data, fmt = body
+        return schemas.DryRunOut(valid=True, spec=_parse(data, fmt, param).to_document())
+
+    def _create(spec: JobSpec, source: str, owner: str, rerun_of: str | None) -> str:
+        job_id = new_job_id()
+        resolved = tuple(render_step(spec, s, job_id=job_id, layout=ctx.layout) for s in spec.steps)
+        ctx.store.create_job(
+            NewJob(
+                id=job_id,
+                spec=spec,
+                resolved=resolved,
+                source_text=source,
+                owner=owner,
+                submitted_at=ctx.clock.now(),
+                rerun_of=rerun_of,
+            )
+        )
+        ctx.on_change()
+        return job_id
+
+    @v1.get("/jobs", response_model=schemas.JobListOut, summary="List jobs, newest first")
+    def list_jobs(
+        who: Who,
+        state: Annotated[list[JobState] | None, Query()] = None,
+        team: Annotated[str | None, Query(max_length=63)] = None,
+        owner: Annotated[str | None, Query(max_length=128)] = None,
+        name: Annotated[str | None, Query(max_length=63)] = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+        before: Annotated[
+            float | None, Query(description="submitted_at of the last job of the previous page")
+        ] = None,
+    ) -> schemas.JobListOut:
+        require_people(who)
+        jobs = ctx.store.list_jobs(
+            states=state or (), team=team, owner=owner, name=name, limit=limit, before=before
+        )
+        next_before = jobs[-1].submitted_at if len(jobs) == limit else None
+        return schemas.JobListOut(jobs=[schemas.job_out(j) for j in jobs], next_before=next_before)
+
+    @v1.get(
+        "/jobs/{job_id}", response_model=schemas.JobDetailOut, responses={404: {"model": schemas.ErrorOut}}
+    )
+    def get_job(who: Who, job_id: str) -> schemas.JobDetailOut:
+        require_people(who)
+        return schemas.job_detail_out(_found(lambda: ctx.store.job_detail(job_id)))
+
+    @v1.post(
+        "/jobs/{job_id}/cancel", response_model=schemas.JobOut, responses={404: {"model": schemas.ErrorOut}}
+    )
+    def cancel_job(who: Who, job_id: str) -> schemas.JobOut:
+        job = _found(lambda: ctx.store.job(job_id))
+        require_owner_or_admin(who, job, "cancel")
+        if job.state in (JobState.SUCCEEDED, JobState.FAILED):
+            raise ApiError(
+                409, "conflict", f"job {job_id} already {job.state.value}", [("path.job_id", job.state.value)]
+            )
+        record = ctx.store.request_cancel(job_id, by=who.name, now=ctx.clock.now())
+        ctx.on_change()
+        return schemas.job_out(record)
+
+    @v1.post(
+        "/jobs/{job_id}/rerun",
+        status_code=201,
+        response_model=schemas.JobOut,
+        responses={404: {"model": schemas.ErrorOut}},
+        summary="Submit a new job from a job's recorded spec and parameters",
+    )
+    def rerun_job(who: Who, job_id: str, response: Response) -> schemas.JobOut:
+        require_people(who)
+        job = _found(lambda: ctx.store.job(job_id))
+        try:
+            spec = build_job_spec(dict(job.spec), max_gpus_per_node=ctx.max_gpus_per_node)
+        except SpecInvalid as exc:  # the pool shrank since: say so, located
+            raise _spec_error(exc) from exc
+        new_id = _create(spec, job.source_text, who.name, rerun_of=job_id)
+        response.headers["Location"] = f"/v1/jobs/{new_id}"
+        return schemas.job_out(ctx.store.job(new_id))
+
+    @v1.get(
+        "/jobs/{job_id}/steps/{step}/logs",
+        response_class=PlainTextResponse,
+        responses={404: {"model": schemas.ErrorOut}, 200: {"content": {"text/plain": {}}}},
+        summary="A step attempt's output (the latest attempt unless ?attempt=N); ?follow=true streams",
+    )
+    def step_logs(
+        who: Who,
+        job_id: str,
+        step: str,
+        attempt: Annotated[int | None, Query(ge=1)] = None,
+        follow: bool = False,
+        offset: Annotated[int, Query(ge=0)] = 0,
+    ) -> Response:
+        require_people(who)
+        attempts = _found(lambda: ctx.store.step_attempts(job_id, step))
+        if not attempts:
+            raise ApiError(
+                404,
+                "not_found",
+                f"step '{step}' of job '{job_id}' has not started yet",
+                [("path.step", "no attempts yet")],
+            )
+        chosen = attempts[-1] if attempt is None else next((a for a in attempts if a.number == attempt), None)
+        if chosen is None:
+            raise ApiError(
+                404,
+                "not_found",
+                f"step '{step}' has no attempt {attempt}",
+                [("query.attempt", f"attempts: 1..{attempts[-1].number}")],
+            )
+        path = Path(ctx.layout.attempt_log(job_id, step, chosen.number))
+        if not follow:
+            return PlainTextResponse(_read_from(path, offset))
+        return StreamingResponse(_follow(path, offset, chosen.id), media_type="text/plain; charset=utf-8")
+
+    def _follow(path: Path, offset: int, attempt_id: int) -> Iterator[bytes]:
+        pos = offset
+        while True:
+            chunk = _read_bytes(path, pos)
+            if chunk:
+                pos += len(chunk)
+                yield chunk
+                continue
+            state = ctx.store.attempt(attempt_id).state
+            if state not in (AttemptState.RUNNING, AttemptState.STOPPING):
+                tail = _read_bytes(path, pos)
+                if tail:
+                    yield tail
+                return
+            time.sleep(ctx.log_poll_s)
+
+    @v1.post(
+        "/jobs/{job_id}/steps/{step}/checkpoints",
+        status_code=201,
+        response_model=schemas.CheckpointOut,
+        responses={404: {"model": schemas.ErrorOut}, 409: {"model": schemas.ErrorOut}},
+        summary="A running step reports a checkpoint (its LOWTIDE_STEP_TOKEN, or an admin)",
+    )
+    def report_checkpoint(
+        who: Who, job_id: str, step: str, body: schemas.CheckpointIn
+    ) -> schemas.CheckpointOut:
+        attempts = _found(lambda: ctx.store.step_attempts(job_id, step))
+        running = [a for a in attempts if a.state in (AttemptState.RUNNING, AttemptState.STOPPING)]
+        if who.role == "step":
+            if not running or running[-1].id != who.attempt_id:
+                raise ApiError(
+                    403,
+                    "forbidden",
+                    "this step token belongs to another attempt",
+                    [("header.Authorization", "token of another attempt")],
+                )
+        elif not who.is_admin:
+            raise ApiError(
+                403,
+                "forbidden",
+                "checkpoints are reported by the step itself (LOWTIDE_STEP_TOKEN)",
+                [("header.Authorization", "role")],
+            )
+        if not running:
+            raise ApiError(
+                409, "conflict", f"step '{step}' has no running attempt", [("path.step", "not running")]
+            )
+        current = running[-1]
+        now = ctx.clock.now()
+        ctx.store.record_checkpoint(
+            current.id, label=body.label.strip(), progress=body.progress, source="api", now=now
+        )
+        return schemas.CheckpointOut(
+            attempt_id=current.id,
+            step=step,
+            label=body.label.strip(),
+            progress=body.progress,
+            source="api",
+            reported_at=now,
+        )
+
+    # -- pool, tokens, identity ----------------------------------------------------------------
+
+    @v1.get("/pool", response_model=schemas.PoolOut, summary="Every GPU and who holds it")
+    def pool(who: Who) -> schemas.PoolOut:
+        require_people(who)
+        return schemas.pool_out(ctx.nodes, ctx.store.holdings())
+
+    @v1.get("/whoami", response_model=schemas.WhoAmIOut)
+    def whoami(who: Who) -> schemas.WhoAmIOut:
+        return schemas.WhoAmIOut(name=who.name, role=who.role)
+
+    @v1.get("/tokens", response_model=list[schemas.TokenOut])
+    def list_tokens(who: Who) -> list[schemas.TokenOut]:
+        require_admin(who)
+        return [schemas.token_out(t) for t in ctx.store.list_tokens()]
+
+    @v1.post("/tokens", status_code=201, response_model=schemas.TokenOut)
+    def create_token(who: Who, body: schemas.TokenIn) -> schemas.TokenOut:
+        require_admin(who)
+        record, raw = ctx.store.create_token(
+            name=body.name, owner=body.owner or body.name, role=body.role, now=ctx.clock.now()
+        )
+        return schemas.token_out(record, raw)
+
+    @v1.delete("/tokens/{token_id}", status_code=204, responses={404: {"model": schemas.ErrorOut}})
+    def revoke_token(who: Who, token_id: int) -> Response:
+        require_admin(who)
+        _found(lambda: ctx.store.revoke_token(token_id, ctx.clock.now()))
+        return Response(status_code=204)
+
+    app.include_router(v1)
+
+    # -- unauthenticated -----------------------------------------------------------------------
+
+    @app.get("/healthz", summary="Liveness of the API, the store and the control loop")
+    def healthz() -> dict[str, Any]:
+        status = ctx.loop_status()
+        now = ctx.clock.now()
+        ctx.store.counts()  # raises (→ 500) if the store is unreachable
+        loop = None
+        if status is not None:
+            loop = {
+                "last_tick_at": status.last_tick_at,
+                "age_s": (now - status.last_tick_at) if status.last_tick_at else None,
+            }
+        return {"status": "ok", "version": __version__, "loop": loop}
+
+    @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics (lowtide_*)")
+    def metrics() -> Response:
+        body, content_type = metrics_text(ctx.store, ctx.nodes, ctx.loop_status())
+        return Response(content=body, media_type=content_type)
+
+    return app
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _too_large(size: int, limit: int) -> ApiError:
+    return ApiError(
+        413,
+        "too_large",
+        f"the spec is {size} bytes; the limit is {limit} bytes",
+        [("body", f"larger than {limit} bytes")],
+    )
+
+
+def _spec_error(exc: SpecInvalid) -> ApiError:
+    return ApiError(
+        422,
+        "invalid_spec",
+        f"the job spec has {len(exc.issues)} problem(s)",
+        [(i.loc, i.msg) for i in exc.issues],
+    )
+
+
+def _found(fn: Callable[[], _T]) -> _T:
+    try:
+        return fn()
+    except NotFound as exc:
+        raise ApiError(404, "not_found", str(exc)) from exc
+
+
+def _read_bytes(path: Path, offset: int, limit: int = 1 << 20) -> bytes:
+    try:
+        with path.open("rb") as fh:
+            fh.seek(offset)
+            return fh.read(limit)
+    except FileNotFoundError:
+        return b""
+
+
+def _read_from(path: Path, offset: int) -> str:
+    chunks = []
+    pos = offset
+    while chunk := _read_bytes(path, pos):
+        chunks.append(chunk)
+        pos += len(chunk)
+    return b"".join(chunks).decode("utf-8", errors="replace")

@@ -1,0 +1,307 @@
+"""Response bodies of the REST API (pydantic), and their construction from store records.
+
+Times are float seconds since the epoch (UTC). Must not: query the store.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from lowtide.control.records import (
+    AttemptRecord,
+    CheckpointRecord,
+    EventRecord,
+    GpuHolding,
+    JobDetail,
+    JobRecord,
+    StepRecord,
+    TokenRecord,
+)
+from lowtide.domain.gpus import Node
+
+
+class ErrorItem(BaseModel):
+    loc: str
+    msg: str
+
+
+class ErrorOut(BaseModel):
+    error: str
+    message: str
+    errors: list[ErrorItem] = Field(default_factory=list)
+
+
+class JobOut(BaseModel):
+    id: str
+    name: str
+    team: str
+    owner: str
+    priority: int
+    state: str
+    submitted_at: float
+    started_at: float | None
+    finished_at: float | None
+    template: str | None
+    rerun_of: str | None
+    message: str
+    steps: dict[str, int] = Field(description="number of steps in each state")
+
+
+class StepOut(BaseModel):
+    name: str
+    state: str
+    gpus: int
+    depends: list[str]
+    reason: str
+    retries_used: int
+    max_retries: int
+    preemptions: int
+    eligible_at: float
+    last_checkpoint: str | None
+    last_checkpoint_at: float | None
+    command: list[str]
+    image: str | None
+    inputs: dict[str, str]
+    outputs: str
+    checkpoint_dir: str | None
+
+
+class AttemptOut(BaseModel):
+    id: int
+    step: str
+    number: int
+    state: str
+    node: str
+    gpus: list[int]
+    started_at: float
+    ended_at: float | None
+    pid: int | None
+    exit_code: int | None
+    signal: int | None
+    notice_at: float | None
+    stop_deadline: float | None
+    stop_reason: str | None
+    killed_at_deadline: bool
+    message: str
+    record: dict[str, Any]
+
+
+class CheckpointOut(BaseModel):
+    attempt_id: int
+    step: str
+    label: str
+    progress: str | None
+    source: str
+    reported_at: float
+
+
+class EventOut(BaseModel):
+    at: float
+    step: str | None
+    attempt_id: int | None
+    kind: str
+    message: str
+
+
+class JobDetailOut(BaseModel):
+    job: JobOut
+    spec: dict[str, Any]
+    source_text: str
+    steps: list[StepOut]
+    attempts: list[AttemptOut]
+    checkpoints: list[CheckpointOut]
+    events: list[EventOut]
+
+
+class JobListOut(BaseModel):
+    jobs: list[JobOut]
+    next_before: float | None = Field(description="pass as ?before= to get the next page")
+
+
+class DryRunOut(BaseModel):
+    valid: bool
+    spec: dict[str, Any]
+
+
+class GpuOut(BaseModel):
+    index: int
+    holder: str = Field(description="idle | attempt | replica")
+    job_id: str | None
+    step: str | None
+    attempt_id: int | None
+    team: str | None
+    since: float
+
+
+class NodeOut(BaseModel):
+    name: str
+    gpus: list[GpuOut]
+    free: int
+
+
+class PoolOut(BaseModel):
+    nodes: list[NodeOut]
+    total: int
+    free: int
+
+
+class TokenIn(BaseModel):
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._@-]+$")
+    role: str = Field(default="user", pattern=r"^(admin|user)$")
+    owner: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9._@-]+$",
+        description="who the token acts as (default: the name)",
+    )
+
+
+class TokenOut(BaseModel):
+    id: int
+    name: str
+    owner: str
+    role: str
+    created_at: float
+    revoked_at: float | None
+    token: str | None = Field(default=None, description="the secret, shown only once when created")
+
+
+class CheckpointIn(BaseModel):
+    label: str = Field(min_length=1, max_length=1024, description="the checkpoint's name or path")
+    progress: str | None = Field(default=None, max_length=256, description="e.g. 'step 1200'")
+
+
+class WhoAmIOut(BaseModel):
+    name: str
+    role: str
+
+
+def job_out(j: JobRecord) -> JobOut:
+    return JobOut(
+        id=j.id,
+        name=j.name,
+        team=j.team,
+        owner=j.owner,
+        priority=j.priority,
+        state=j.state.value,
+        submitted_at=j.submitted_at,
+        started_at=j.started_at,
+        finished_at=j.finished_at,
+        template=j.template,
+        rerun_of=j.rerun_of,
+        message=j.message,
+        steps=dict(j.step_states),
+    )
+
+
+def step_out(s: StepRecord) -> StepOut:
+    r = s.resolved
+    return StepOut(
+        name=s.name,
+        state=s.state.value,
+        gpus=s.gpus,
+        depends=list(s.depends),
+        reason=s.reason,
+        retries_used=s.retries_used,
+        max_retries=s.max_retries,
+        preemptions=s.preemptions,
+        eligible_at=s.eligible_at,
+        last_checkpoint=s.last_checkpoint,
+        last_checkpoint_at=s.last_checkpoint_at,
+        command=list(r.get("command", [])),
+        image=r.get("image"),
+        inputs=dict(r.get("inputs") or {}),
+        outputs=r.get("outputs", ""),
+        checkpoint_dir=r.get("checkpoint_dir"),
+    )
+
+
+def attempt_out(a: AttemptRecord) -> AttemptOut:
+    return AttemptOut(
+        id=a.id,
+        step=a.step_name,
+        number=a.number,
+        state=a.state.value,
+        node=a.node,
+        gpus=list(a.gpus),
+        started_at=a.started_at,
+        ended_at=a.ended_at,
+        pid=a.pid,
+        exit_code=a.exit_code,
+        signal=a.signal,
+        notice_at=a.notice_at,
+        stop_deadline=a.stop_deadline,
+        stop_reason=a.stop_reason,
+        killed_at_deadline=a.killed_at_deadline,
+        message=a.message,
+        record=dict(a.record),
+    )
+
+
+def checkpoint_out(c: CheckpointRecord) -> CheckpointOut:
+    return CheckpointOut(
+        attempt_id=c.attempt_id,
+        step=c.step_name,
+        label=c.label,
+        progress=c.progress,
+        source=c.source,
+        reported_at=c.reported_at,
+    )
+
+
+def event_out(e: EventRecord) -> EventOut:
+    return EventOut(at=e.at, step=e.step_name, attempt_id=e.attempt_id, kind=e.kind, message=e.message)
+
+
+def job_detail_out(d: JobDetail) -> JobDetailOut:
+    return JobDetailOut(
+        job=job_out(d.job),
+        spec=dict(d.job.spec),
+        source_text=d.job.source_text,
+        steps=[step_out(s) for s in d.steps],
+        attempts=[attempt_out(a) for a in d.attempts],
+        checkpoints=[checkpoint_out(c) for c in d.checkpoints],
+        events=[event_out(e) for e in d.events],
+    )
+
+
+def pool_out(nodes: tuple[Node, ...], holdings: list[GpuHolding]) -> PoolOut:
+    by_gpu = {(h.node, h.index): h for h in holdings}
+    out_nodes = []
+    total = free = 0
+    for node in nodes:
+        gpus = []
+        for index in node.gpus:
+            h = by_gpu.get((node.name, index))
+            kind = h.holder_kind if h else "idle"
+            gpus.append(
+                GpuOut(
+                    index=index,
+                    holder=kind,
+                    job_id=h.job_id if h else None,
+                    step=h.step if h else None,
+                    attempt_id=int(h.holder_id) if h and h.holder_kind == "attempt" and h.holder_id else None,
+                    team=h.team if h else None,
+                    since=h.since if h else 0.0,
+                )
+            )
+        node_free = sum(1 for g in gpus if g.holder == "idle")
+        total += len(gpus)
+        free += node_free
+        out_nodes.append(NodeOut(name=node.name, gpus=gpus, free=node_free))
+    return PoolOut(nodes=out_nodes, total=total, free=free)
+
+
+def token_out(t: TokenRecord, raw: str | None = None) -> TokenOut:
+    return TokenOut(
+        id=t.id,
+        name=t.name,
+        owner=t.owner,
+        role=t.role,
+        created_at=t.created_at,
+        revoked_at=t.revoked_at,
+        token=raw,
+    )

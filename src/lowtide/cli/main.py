@@ -1,0 +1,527 @@
+"""The `lowtide` command line (Typer + Rich).
+
+Every command but `up` and `validate` talks to the REST API (`--url`, `$LOWTIDE_URL`, or the
+config's API address) with a token (`--token`, `$LOWTIDE_TOKEN`, or the admin token file the
+embedded mode wrote). Exit codes: 0 success; 2 bad input or a request the API refused (4xx), with
+the located errors printed; 1 anything else (server error, unreachable, a waited-on job that did
+not succeed). `--json` prints machine-readable output. Must not: touch the store directly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from lowtide.cli.client import ApiFailure, Client
+from lowtide.config import ConfigError, Settings, load_settings
+
+app = typer.Typer(
+    name="lowtide",
+    help="Run research jobs on the GPUs your inference fleet is not using.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+token_app = typer.Typer(help="Manage API tokens (admin).", no_args_is_help=True)
+app.add_typer(token_app, name="token")
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
+
+
+class _State:
+    config: str | None = None
+    url: str | None = None
+    token: str | None = None
+
+
+state = _State()
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+
+
+@app.callback()
+def _main(
+    config: Annotated[
+        str | None, typer.Option("--config", "-c", envvar="LOWTIDE_CONFIG", help="lowtide.yaml to use.")
+    ] = None,
+    url: Annotated[str | None, typer.Option("--url", envvar="LOWTIDE_URL", help="API address.")] = None,
+    token: Annotated[str | None, typer.Option("--token", envvar="LOWTIDE_TOKEN", help="API token.")] = None,
+) -> None:
+    state.config, state.url, state.token = config, url, token
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _fail(
+    message: str, code: int = 2, errors: list[dict[str, str]] | None = None, where: str = ""
+) -> NoReturn:
+    err.print(f"[red]error:[/red] {message}")
+    for e in errors or []:
+        prefix = f"{where}: " if where else ""
+        err.print(f"  {prefix}{e.get('loc', '')}: {e.get('msg', '')}")
+    raise typer.Exit(code)
+
+
+def _settings() -> Settings:
+    try:
+        return load_settings(state.config)
+    except ConfigError as exc:
+        _fail(str(exc))
+
+
+def _client() -> Client:
+    settings: Settings | None = None
+    url = state.url
+    token = state.token
+    if url is None or token is None:
+        settings = _settings()
+    if url is None:
+        assert settings is not None
+        url = settings.api.url
+    if token is None and settings is not None:
+        path = settings.admin_token_path
+        if path.exists():
+            try:
+                token = path.read_text(encoding="utf-8").strip()
+            except OSError:
+                token = None
+    return Client(url, token)
+
+
+def _call(fn: Any, *args: Any, where: str = "", **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except ApiFailure as exc:
+        _fail(exc.message, 2 if exc.client_error else 1, exc.errors, where)
+
+
+def _when(ts: float | None) -> str:
+    if not ts:
+        return "-"
+    return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _dur(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def _print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _content_type(path: Path) -> str:
+    return "application/json" if path.suffix.lower() == ".json" else "application/yaml"
+
+
+def _read_spec(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        _fail(f"cannot read {path}: {exc.strerror or exc}")
+
+
+def _state_style(s: str) -> str:
+    color = {
+        "SUCCEEDED": "green",
+        "FAILED": "red",
+        "CANCELLED": "yellow",
+        "RUNNING": "cyan",
+        "PREEMPTING": "magenta",
+        "PREEMPTED": "magenta",
+        "CANCELLING": "yellow",
+        "SKIPPED": "dim",
+    }.get(s)
+    return f"[{color}]{s}[/{color}]" if color else s
+
+
+# -- commands --------------------------------------------------------------------------------
+
+
+@app.command()
+def up(
+    host: Annotated[str | None, typer.Option(help="Listen address (default from config).")] = None,
+    port: Annotated[int | None, typer.Option(help="Listen port (default from config).")] = None,
+) -> None:
+    """Start the embedded control plane: API, scheduling loop and local executor."""
+    from lowtide.wiring import serve  # noqa: PLC0415 (server-only imports)
+
+    overrides: dict[str, Any] = {}
+    settings = _settings()
+    if host or port:
+        api = settings.api.model_copy(update={k: v for k, v in (("host", host), ("port", port)) if v})
+        overrides["api"] = api
+    if overrides:
+        settings = settings.model_copy(update=overrides)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    err.print(f"lowtide listening on {settings.api.url} (state in {Path(settings.state_dir).resolve()})")
+    if settings.auth.enabled:
+        err.print(f"admin token: {settings.admin_token_path} (created on first start, mode 0600)")
+    try:
+        serve(settings)
+    except ConfigError as exc:
+        _fail(str(exc))
+
+
+@app.command()
+def validate(
+    file: Annotated[Path, typer.Argument(help="Job spec (YAML or JSON).")],
+    param: Annotated[
+        list[str] | None, typer.Option("--param", "-p", help="Override a parameter: k=v.")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Check a job spec locally; exit 0 if valid, 2 with located errors if not."""
+    from lowtide.adapters.templates import DirectoryTemplates  # noqa: PLC0415
+    from lowtide.domain.spec_parse import (  # noqa: PLC0415
+        SpecInvalid,
+        build_job_spec,
+        parse_document,
+        parse_param_assignment,
+    )
+
+    settings = _settings()
+    max_gpus = _declared_max_gpus(settings)
+    overrides: dict[str, Any] = {}
+    for text in param or []:
+        try:
+            key, value = parse_param_assignment(text)
+        except ValueError as exc:
+            _fail(f"--param {text!r}: {exc}")
+        overrides[key] = value
+    data = _read_spec(file)
+    templates_dir = Path(settings.templates_dir)
+    templates = DirectoryTemplates(templates_dir) if templates_dir.is_dir() else None
+    try:
+        doc = parse_document(data, fmt="json" if file.suffix.lower() == ".json" else "auto")
+        spec = build_job_spec(doc, templates=templates, param_overrides=overrides, max_gpus_per_node=max_gpus)
+    except SpecInvalid as exc:
+        if as_json:
+            _print_json({"valid": False, "errors": [{"loc": i.loc, "msg": i.msg} for i in exc.issues]})
+            raise typer.Exit(2) from exc
+        err.print(f"[red]{file}: invalid job spec ({len(exc.issues)} problem(s))[/red]")
+        for issue in exc.issues:
+            err.print(f"  {file}: {issue.loc}: {issue.msg}")
+        raise typer.Exit(2) from exc
+    if as_json:
+        _print_json({"valid": True, "spec": spec.to_document()})
+        return
+    gpus = max((s.gpus for s in spec.steps), default=0)
+    out.print(
+        f"[green]OK[/green] {file}: job '{spec.name}', {len(spec.steps)} step(s), "
+        f"up to {gpus} GPU(s) per step"
+    )
+
+
+def _declared_max_gpus(settings: Settings) -> int | None:
+    sizes = []
+    for node in settings.nodes:
+        if node.gpus == "auto":
+            return None  # known only on the host, through NVML: the server checks on submit
+        sizes.append(node.gpus if isinstance(node.gpus, int) else len(node.gpus))
+    return max(sizes, default=0)
+
+
+@app.command()
+def submit(
+    file: Annotated[Path, typer.Argument(help="Job spec (YAML or JSON).")],
+    param: Annotated[
+        list[str] | None, typer.Option("--param", "-p", help="Override a parameter: k=v.")
+    ] = None,
+    wait: Annotated[
+        bool, typer.Option("--wait", help="Wait until the job ends; exit 0 only if it succeeded.")
+    ] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Validate on the server; store nothing.")
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Submit a job."""
+    data = _read_spec(file)
+    client = _client()
+    result = _call(
+        client.submit,
+        data,
+        content_type=_content_type(file),
+        params=param or [],
+        dry_run=dry_run,
+        where=str(file),
+    )
+    if dry_run:
+        _print_json(result) if as_json else out.print(f"[green]valid[/green] {file}")
+        return
+    if as_json and not wait:
+        _print_json(result)
+        return
+    out.print(f"submitted [bold]{result['id']}[/bold] ({result['name']}, team {result['team']})")
+    if wait:
+        final = _wait(client, result["id"], quiet=as_json)
+        if as_json:
+            _print_json(final)
+        raise typer.Exit(0 if final["job"]["state"] == "SUCCEEDED" else 1)
+
+
+def _wait(client: Client, job_id: str, *, quiet: bool = False, poll: float = 1.0) -> dict[str, Any]:
+    seen: dict[str, str] = {}
+    while True:
+        detail: dict[str, Any] = _call(client.json, "GET", f"/v1/jobs/{job_id}")
+        for step in detail["steps"]:
+            if seen.get(step["name"]) != step["state"]:
+                seen[step["name"]] = step["state"]
+                if not quiet:
+                    extra = (
+                        f" — {step['reason']}" if step["reason"] and step["state"] not in ("RUNNING",) else ""
+                    )
+                    out.print(f"  {step['name']}: {_state_style(step['state'])}{extra}")
+        if detail["job"]["state"] in TERMINAL and not any(
+            s["state"] in ("RUNNING", "CANCELLING", "PREEMPTING") for s in detail["steps"]
+        ):
+            if not quiet:
+                out.print(f"job {job_id}: {_state_style(detail['job']['state'])} {detail['job']['message']}")
+            return detail
+        time.sleep(poll)
+
+
+@app.command()
+def jobs(
+    state_: Annotated[list[str] | None, typer.Option("--state", help="Filter by state (repeatable).")] = None,
+    team: Annotated[str | None, typer.Option(help="Filter by team.")] = None,
+    owner: Annotated[str | None, typer.Option(help="Filter by owner.")] = None,
+    limit: Annotated[int, typer.Option(help="At most this many.")] = 50,
+    as_json: JsonOpt = False,
+) -> None:
+    """List jobs, newest first."""
+    params: list[tuple[str, str | int]] = [("limit", limit)]
+    params += [("state", s.upper()) for s in state_ or []]
+    if team:
+        params.append(("team", team))
+    if owner:
+        params.append(("owner", owner))
+    data = _call(_client().json, "GET", "/v1/jobs", params=params)
+    if as_json:
+        _print_json(data)
+        return
+    table = Table("JOB", "NAME", "TEAM", "OWNER", "PRI", "STATE", "STEPS", "SUBMITTED")
+    for j in data["jobs"]:
+        steps = " ".join(f"{k.lower()}:{v}" for k, v in sorted(j["steps"].items()))
+        table.add_row(
+            j["id"],
+            j["name"],
+            j["team"],
+            j["owner"],
+            str(j["priority"]),
+            _state_style(j["state"]),
+            steps,
+            _when(j["submitted_at"]),
+        )
+    out.print(table)
+
+
+@app.command()
+def show(job: Annotated[str, typer.Argument(help="Job id.")], as_json: JsonOpt = False) -> None:
+    """A job's steps, attempts, checkpoints and events."""
+    d = _call(_client().json, "GET", f"/v1/jobs/{job}")
+    if as_json:
+        _print_json(d)
+        return
+    j = d["job"]
+    out.print(
+        f"[bold]{j['id']}[/bold] {j['name']}  team={j['team']} owner={j['owner']} priority={j['priority']}"
+    )
+    out.print(f"state: {_state_style(j['state'])} {j['message']}")
+    out.print(
+        f"submitted {_when(j['submitted_at'])}  started {_when(j['started_at'])}  "
+        f"finished {_when(j['finished_at'])}" + (f"  rerun of {j['rerun_of']}" if j["rerun_of"] else "")
+    )
+    steps = Table("STEP", "STATE", "GPUS", "DEPENDS", "RETRIES", "CHECKPOINT", "REASON", title="steps")
+    for s in d["steps"]:
+        steps.add_row(
+            s["name"],
+            _state_style(s["state"]),
+            str(s["gpus"]),
+            ",".join(s["depends"]) or "-",
+            f"{s['retries_used']}/{s['max_retries']}",
+            s["last_checkpoint"] or "-",
+            s["reason"],
+        )
+    out.print(steps)
+    if d["attempts"]:
+        att = Table("STEP", "#", "STATE", "WHERE", "STARTED", "RAN", "EXIT", "MESSAGE", title="attempts")
+        for a in d["attempts"]:
+            where = f"{a['node']}:{','.join(map(str, a['gpus']))}" if a["gpus"] else a["node"]
+            ran = _dur((a["ended_at"] or time.time()) - a["started_at"])
+            code = (
+                str(a["exit_code"])
+                if a["exit_code"] is not None
+                else (f"sig{a['signal']}" if a["signal"] else "-")
+            )
+            att.add_row(
+                a["step"],
+                str(a["number"]),
+                _state_style(a["state"]),
+                where,
+                _when(a["started_at"]),
+                ran,
+                code,
+                a["message"],
+            )
+        out.print(att)
+    if d["checkpoints"]:
+        ck = Table("STEP", "ATTEMPT", "CHECKPOINT", "PROGRESS", "SOURCE", "AT", title="checkpoints")
+        for c in d["checkpoints"]:
+            ck.add_row(
+                c["step"],
+                str(c["attempt_id"]),
+                c["label"],
+                c["progress"] or "-",
+                c["source"],
+                _when(c["reported_at"]),
+            )
+        out.print(ck)
+    if d["events"]:
+        ev = Table("AT", "STEP", "EVENT", "MESSAGE", title="events")
+        for e in d["events"][-30:]:
+            ev.add_row(_when(e["at"]), e["step"] or "-", e["kind"], e["message"])
+        out.print(ev)
+
+
+@app.command()
+def logs(
+    job: Annotated[str, typer.Argument(help="Job id.")],
+    step: Annotated[str, typer.Argument(help="Step name.")],
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Keep printing until the attempt ends.")
+    ] = False,
+    attempt: Annotated[int | None, typer.Option(help="Attempt number (default: the latest).")] = None,
+) -> None:
+    """Print a step's output."""
+    client = _client()
+    try:
+        for chunk in client.stream_logs(job, step, attempt=attempt, follow=follow):
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.flush()
+    except ApiFailure as exc:
+        _fail(exc.message, 2 if exc.client_error else 1, exc.errors)
+
+
+@app.command()
+def cancel(job: Annotated[str, typer.Argument(help="Job id.")], as_json: JsonOpt = False) -> None:
+    """Cancel a job (running steps get notice and their grace period)."""
+    j = _call(_client().json, "POST", f"/v1/jobs/{job}/cancel")
+    if as_json:
+        _print_json(j)
+        return
+    out.print(f"{j['id']}: {_state_style(j['state'])}")
+
+
+@app.command()
+def rerun(
+    job: Annotated[str, typer.Argument(help="Job id.")],
+    wait: Annotated[bool, typer.Option("--wait", help="Wait until the new job ends.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Submit a new job from a job's recorded spec and parameters."""
+    client = _client()
+    j = _call(client.json, "POST", f"/v1/jobs/{job}/rerun")
+    if as_json and not wait:
+        _print_json(j)
+        return
+    out.print(f"submitted [bold]{j['id']}[/bold] (rerun of {job})")
+    if wait:
+        final = _wait(client, j["id"], quiet=as_json)
+        if as_json:
+            _print_json(final)
+        raise typer.Exit(0 if final["job"]["state"] == "SUCCEEDED" else 1)
+
+
+@app.command()
+def pool(as_json: JsonOpt = False) -> None:
+    """Every GPU and who holds it."""
+    p = _call(_client().json, "GET", "/v1/pool")
+    if as_json:
+        _print_json(p)
+        return
+    table = Table(
+        "NODE",
+        "GPU",
+        "HOLDER",
+        "JOB",
+        "STEP",
+        "TEAM",
+        "SINCE",
+        title=f"{p['free']} of {p['total']} GPUs free",
+    )
+    for node in p["nodes"]:
+        for g in node["gpus"]:
+            table.add_row(
+                node["name"],
+                str(g["index"]),
+                g["holder"],
+                g["job_id"] or "-",
+                g["step"] or "-",
+                g["team"] or "-",
+                _when(g["since"]) if g["since"] else "-",
+            )
+    out.print(table)
+
+
+@token_app.command("create")
+def token_create(
+    name: Annotated[str, typer.Argument(help="Who the token is for (also its owner unless --owner).")],
+    role: Annotated[str, typer.Option(help="user or admin.")] = "user",
+    owner: Annotated[str | None, typer.Option(help="Act as this owner (default: NAME).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Create an API token (shown once)."""
+    body: dict[str, Any] = {"name": name, "role": role}
+    if owner:
+        body["owner"] = owner
+    t = _call(_client().json, "POST", "/v1/tokens", json=body)
+    if as_json:
+        _print_json(t)
+        return
+    out.print(f"token for {t['owner']} ({t['role']}), id {t['id']} — store it now, it is not shown again:")
+    sys.stdout.write(t["token"] + "\n")
+
+
+@token_app.command("list")
+def token_list(as_json: JsonOpt = False) -> None:
+    """List API tokens (not their secrets)."""
+    ts = _call(_client().json, "GET", "/v1/tokens")
+    if as_json:
+        _print_json(ts)
+        return
+    table = Table("ID", "NAME", "OWNER", "ROLE", "CREATED", "REVOKED")
+    for t in ts:
+        table.add_row(
+            str(t["id"]), t["name"], t["owner"], t["role"], _when(t["created_at"]), _when(t["revoked_at"])
+        )
+    out.print(table)
+
+
+@token_app.command("revoke")
+def token_revoke(token_id: Annotated[int, typer.Argument(help="Token id.")]) -> None:
+    """Revoke an API token."""
+    _call(_client().json, "DELETE", f"/v1/tokens/{token_id}")
+    out.print(f"token {token_id} revoked")
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    app()

@@ -1,0 +1,34 @@
+"""Time as a port: production reads the system clock, tests and the simulator move a fake one."""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+
+class Clock(Protocol):
+    def now(self) -> float:
+        """Seconds since the epoch (UTC)."""
+        ...
+
+
+class SystemClock:
+    def now(self) -> float:
+        return time.time()
+
+
+class FakeClock:
+    """A clock that only moves when told to."""
+
+    def __init__(self, start: float = 1_790_000_000.0) -> None:
+        self._now = start
+
+    def now(self) -> float:
+        return self._now
+
+    def advance(self, seconds: float) -> float:
+        self._now += seconds
+        return self._now
+
+    def set(self, when: float) -> None:
+        self._now = when

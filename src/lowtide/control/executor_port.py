@@ -1,0 +1,108 @@
+"""The executor port: how the control loop starts, stops, watches and re-adopts step processes.
+
+Implemented by `adapters.local_executor` (processes, optionally inside docker/podman) and, later,
+by the Argo executor. The loop owns every decision; an executor only carries out orders and
+reports what happened, with errors classified at its edge (`ExecutorError.temporary`).
+Must not: touch the store, decide retries, or read configuration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+
+class ExecutorError(Exception):
+    """A launch or stop that did not happen. `temporary` errors may succeed if retried later."""
+
+    def __init__(self, message: str, *, temporary: bool) -> None:
+        super().__init__(message)
+        self.temporary = temporary
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchRequest:
+    attempt_id: int
+    job_id: str
+    step: str
+    attempt: int  # 1-based attempt number of this step
+    node: str
+    gpus: tuple[int, ...]
+    command: tuple[str, ...]
+    image: str | None
+    env: Mapping[str, str]  # the step contract (DESIGN §5), computed by control.contract
+    work_dir: str  # local directory: the process's cwd; its log, notice and exit status live here
+    log_path: str  # local file receiving stdout and stderr
+    notice_path: str  # local file written when notice is given (LOWTIDE_NOTICE_FILE)
+    mounts: tuple[str, ...] = ()  # local paths a container must see at the same path
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessIdentity:
+    """Which OS process runs an attempt: a pid plus its start time, so a re-used pid is never mistaken."""
+
+    pid: int
+    started_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptExit:
+    attempt_id: int
+    exit_code: int | None  # None when the process was killed by a signal
+    signal: int | None
+    ended_at: float
+    killed_at_deadline: bool = False  # we sent SIGKILL because the grace deadline passed
+
+
+@dataclass(frozen=True, slots=True)
+class AdoptRequest:
+    """A RUNNING/STOPPING attempt found in the store when the control plane starts."""
+
+    attempt_id: int
+    work_dir: str
+    notice_path: str
+    identity: ProcessIdentity | None  # None if the crash came before the pid was recorded
+    stop_deadline: float | None  # set if notice had been given
+
+
+class AdoptOutcome(StrEnum):
+    ADOPTED = "ADOPTED"  # still the same process: watched again from now on
+    EXITED = "EXITED"  # finished while we were down; `exit` holds its recorded status
+    LOST = "LOST"  # gone without a recorded status (or a different process now has its pid)
+
+
+@dataclass(frozen=True, slots=True)
+class AdoptResult:
+    outcome: AdoptOutcome
+    exit: AttemptExit | None = None
+    identity: ProcessIdentity | None = None
+
+
+class Executor(Protocol):
+    def launch(self, request: LaunchRequest, now: float) -> ProcessIdentity:
+        """Start the attempt; return once the process exists. Raises ExecutorError."""
+        ...
+
+    def notify_stop(self, attempt_id: int, deadline: float, now: float) -> None:
+        """Give notice: write the notice file (with the deadline) and SIGTERM the process group.
+        The executor SIGKILLs the group at `deadline` during a later `poll`."""
+        ...
+
+    def poll(self, now: float) -> list[AttemptExit]:
+        """Report attempts that have exited since the last poll; kill those past their deadline."""
+        ...
+
+    def adopt(self, request: AdoptRequest, now: float) -> AdoptResult:
+        """Re-attach to an attempt started by an earlier control-plane process."""
+        ...
+
+    def reap_orphans(self, known_attempt_ids: set[int]) -> list[int]:
+        """Kill process groups this installation started for attempts it no longer knows.
+        Returns the attempt ids that were killed."""
+        ...
+
+    def close(self) -> None:
+        """Stop watching (processes keep running; a later control plane re-adopts them)."""
+        ...

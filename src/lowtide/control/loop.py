@@ -1,0 +1,454 @@
+"""The control loop: observe → snapshot → decide → act, once per tick (DESIGN §3).
+
+observe: exits reported by the executor, notices owed to cancelled steps, new checkpoints.
+snapshot: the store builds an immutable `Snapshot` with `now` from the injected clock.
+decide: `policy.scheduler.decide` (placement, fair share, backfill) and `policy.dag.advance`.
+act: book each start in the store first (so the next tick cannot double-book), then launch; a
+failed launch is classified and rolled forward as an attempt that ended.
+
+Every item is handled on its own: one failing exit, notice or start is logged and costs that
+item only, never the tick. `recover()` runs once at start-up and re-adopts what an earlier
+control-plane process left running. Must not: read the wall clock (use `clock`), sleep inside a
+tick, or touch SQL, processes or files except through its ports.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from lowtide.control.clock import Clock
+from lowtide.control.contract import parse_checkpoint_label, step_environment
+from lowtide.control.executor_port import (
+    AdoptOutcome,
+    AdoptRequest,
+    AttemptExit,
+    Executor,
+    ExecutorError,
+    LaunchRequest,
+    ProcessIdentity,
+)
+from lowtide.control.ports import ArtifactPort, StorePort
+from lowtide.control.records import AttemptLaunch, ExitContext, GpuBusy, NoticeDue, StaleState
+from lowtide.domain.gpus import Node
+from lowtide.domain.layout import ArtifactLayout, is_remote, join_uri
+from lowtide.domain.states import StepState
+from lowtide.policy.dag import advance
+from lowtide.policy.outcomes import (
+    ExitDecision,
+    RetryPolicy,
+    classify_exit,
+    classify_launch_failure,
+    classify_lost,
+)
+from lowtide.policy.plan import SchedulePlan, StartStep
+from lowtide.policy.scheduler import SchedulerPolicy, decide
+
+log = logging.getLogger("lowtide.loop")
+_T = TypeVar("_T")
+
+#: Re-examine every active job's DAG this often (in ticks), besides those touched by events.
+FULL_DAG_SWEEP_TICKS = 30
+LATEST_MAX_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    nodes: tuple[Node, ...]
+    layout: ArtifactLayout
+    scheduler: SchedulerPolicy
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    checkpoint_poll_s: float = 10.0
+    api_url: str | None = None
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TickReport:
+    at: float
+    exits: int = 0
+    notices: int = 0
+    started: int = 0
+    waiting: int = 0
+    errors: int = 0
+    duration_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class RecoveryReport:
+    adopted: tuple[int, ...]
+    exited: tuple[int, ...]
+    lost: tuple[int, ...]
+    orphans_killed: tuple[int, ...]
+
+
+class ControlLoop:
+    def __init__(
+        self,
+        *,
+        store: StorePort,
+        executor: Executor,
+        artifacts: ArtifactPort,
+        clock: Clock,
+        settings: LoopSettings,
+    ) -> None:
+        self.store = store
+        self.executor = executor
+        self.artifacts = artifacts
+        self.clock = clock
+        self.settings = settings
+        self._reasons: dict[tuple[str, str], str] = {}
+        # Jobs whose steps changed since their DAG was last advanced (exits, failed launches).
+        self._dirty_jobs: set[str] = set()
+        self._checkpoint_polled: dict[int, float] = {}
+        self._bad_latest: dict[int, str] = {}
+        self._ticks = 0
+        self.errors_total = 0
+        self._wake = threading.Event()
+        self.last_tick: TickReport | None = None
+        self.last_plan: SchedulePlan = SchedulePlan()
+
+    # -- start-up ------------------------------------------------------------------------------
+
+    def recover(self) -> RecoveryReport:
+        """Re-attach to attempts an earlier control plane started; requeue the lost ones."""
+        now = self.clock.now()
+        self.store.ensure_gpus(self.settings.nodes, now)
+        adopted: list[int] = []
+        exited: list[int] = []
+        lost: list[int] = []
+        for att in self.store.active_attempts():
+            try:
+                identity = (
+                    ProcessIdentity(att.pid, att.pid_started_at)
+                    if att.pid is not None and att.pid_started_at is not None
+                    else None
+                )
+                result = self.executor.adopt(
+                    AdoptRequest(
+                        attempt_id=att.id,
+                        work_dir=att.work_dir,
+                        notice_path=self._notice_path(att.job_id, att.step_name, att.number),
+                        identity=identity,
+                        stop_deadline=att.stop_deadline,
+                    ),
+                    now,
+                )
+                if result.outcome == AdoptOutcome.ADOPTED:
+                    adopted.append(att.id)
+                    if identity is None and result.identity is not None:
+                        self.store.set_attempt_process(att.id, result.identity)
+                elif result.outcome == AdoptOutcome.EXITED and result.exit is not None:
+                    exited.append(att.id)
+                    self._on_exit(result.exit)
+                else:
+                    lost.append(att.id)
+                    self._on_lost(att.id, now)
+            except Exception:
+                log.exception("recovery of attempt %s failed; will retry at next start", att.id)
+        killed = self.executor.reap_orphans(set(adopted))
+        if killed:
+            log.warning("killed orphaned step processes of unknown attempts: %s", killed)
+        self._advance(None, now)
+        return RecoveryReport(tuple(adopted), tuple(exited), tuple(lost), tuple(killed))
+
+    # -- the tick ------------------------------------------------------------------------------
+
+    def tick(self) -> TickReport:
+        now = self.clock.now()
+        report = TickReport(at=now)
+
+        exits: list[AttemptExit] = self._guard(report, "executor poll", lambda: self.executor.poll(now), [])
+        for ex in exits:
+            report.exits += 1
+            try:
+                self._on_exit(ex)
+            except Exception:
+                report.errors += 1
+                log.exception("handling the exit of attempt %s failed", ex.attempt_id)
+
+        dues: list[NoticeDue] = self._guard(report, "notices", self.store.notices_due, [])
+        for due in dues:
+            try:
+                self._give_notice(due.attempt_id, due.grace_seconds, due.step_state, now)
+                report.notices += 1
+            except Exception:
+                report.errors += 1
+                log.exception("giving notice to attempt %s failed", due.attempt_id)
+
+        self._guard(report, "checkpoint poll", lambda: self._poll_checkpoints(now), None)
+        self._guard(report, "DAG advance", lambda: self._advance_dirty(now), None)
+
+        snapshot = self.store.snapshot(
+            now=now, nodes=self.settings.nodes, half_life_s=self.settings.scheduler.fair_share.half_life_s
+        )
+        plan = decide(snapshot, self.settings.scheduler)
+        self.last_plan = plan
+        for start in plan.starts:
+            try:
+                if self._start(start, now):
+                    report.started += 1
+            except Exception:
+                report.errors += 1
+                log.exception("starting %s/%s failed", start.job_id, start.step)
+        report.waiting = len(plan.waiting)
+        self._guard(report, "waiting reasons", lambda: self._write_reasons(plan), None)
+
+        self._ticks += 1
+        self.errors_total += report.errors
+        report.duration_s = max(0.0, self.clock.now() - now)
+        self.last_tick = report
+        return report
+
+    def run(self, stop: threading.Event, tick_seconds: float) -> None:
+        """Tick until `stop` is set; `wake()` makes the next tick come at once."""
+        while not stop.is_set():
+            try:
+                self.tick()
+            except Exception:
+                log.exception("tick failed; the loop goes on")
+            self._wake.wait(tick_seconds)
+            self._wake.clear()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    @property
+    def ticks(self) -> int:
+        return self._ticks
+
+    # -- observe -------------------------------------------------------------------------------
+
+    def _on_exit(self, ex: AttemptExit) -> None:
+        ctx = self.store.exit_context(ex.attempt_id)
+        self._read_latest(ctx, ex.ended_at)
+        for _ in range(3):
+            decision = classify_exit(
+                step_state=ctx.step_state,
+                exit_code=ex.exit_code,
+                signal=ex.signal,
+                killed_at_deadline=ex.killed_at_deadline,
+                retries_used=ctx.retries_used,
+                max_retries=ctx.max_retries,
+                now=ex.ended_at,
+                retry=self.settings.retry,
+            )
+            if self._finish(ctx, decision, ex):
+                break
+            ctx = self.store.exit_context(ex.attempt_id)  # someone moved the step: decide again
+        self._dirty_jobs.add(ctx.job_id)
+        self._checkpoint_polled.pop(ex.attempt_id, None)
+        self._bad_latest.pop(ex.attempt_id, None)
+
+    def _on_lost(self, attempt_id: int, now: float) -> None:
+        ctx = self.store.exit_context(attempt_id)
+        decision = classify_lost(step_state=ctx.step_state, retries_used=ctx.retries_used)
+        self._finish(ctx, decision, AttemptExit(attempt_id, None, None, now))
+
+    def _finish(self, ctx: ExitContext, decision: ExitDecision, ex: AttemptExit) -> bool:
+        try:
+            self.store.finish_attempt(
+                ctx,
+                decision,
+                ended_at=ex.ended_at,
+                exit_code=ex.exit_code,
+                signal=ex.signal,
+                killed_at_deadline=ex.killed_at_deadline,
+                half_life_s=self.settings.scheduler.fair_share.half_life_s,
+            )
+        except StaleState:
+            return False
+        log.info("%s/%s attempt %s: %s", ctx.job_id, ctx.step, ctx.attempt_id, decision.message)
+        return True
+
+    def _give_notice(self, attempt_id: int, grace: float, step_state: StepState, now: float) -> None:
+        reason = "job cancelled" if step_state == StepState.CANCELLING else "GPUs reclaimed"
+        deadline = now + grace
+        # Notice first, then the record: a crash in between re-sends notice, never kills unwarned.
+        self.executor.notify_stop(attempt_id, deadline, now)
+        self.store.mark_stopping(
+            attempt_id, deadline=deadline, reason=f"{reason}: notice given, deadline in {grace:g}s", now=now
+        )
+
+    def _poll_checkpoints(self, now: float) -> None:
+        every = self.settings.checkpoint_poll_s
+        for att in self.store.active_attempts():
+            if now - self._checkpoint_polled.get(att.id, -1e18) < every:
+                continue
+            self._checkpoint_polled[att.id] = now
+            ckpt_dir = att.record.get("checkpoint_dir")
+            if not ckpt_dir:
+                continue
+            try:
+                self._read_latest_for(att.id, att.job_id, att.step_name, ckpt_dir, now)
+            except Exception:
+                log.exception("reading LATEST of attempt %s failed", att.id)
+
+    def _read_latest(self, ctx: ExitContext, now: float) -> None:
+        if ctx.checkpoint_dir:
+            try:
+                self._read_latest_for(ctx.attempt_id, ctx.job_id, ctx.step, ctx.checkpoint_dir, now)
+            except Exception:
+                log.exception("reading LATEST of attempt %s failed", ctx.attempt_id)
+
+    def _read_latest_for(self, attempt_id: int, job_id: str, step: str, ckpt_dir: str, now: float) -> None:
+        uri = join_uri(ckpt_dir, "LATEST")
+        try:
+            text = self.artifacts.read_text(uri, max_bytes=LATEST_MAX_BYTES)
+            if text is None:
+                return
+            label = parse_checkpoint_label(text)
+        except ValueError as exc:
+            problem = str(exc)
+            if self._bad_latest.get(attempt_id) != problem:
+                self._bad_latest[attempt_id] = problem
+                self.store.add_event(
+                    job_id,
+                    step,
+                    attempt_id,
+                    at=now,
+                    kind="checkpoint_invalid",
+                    message=f"ignored {uri}: {problem}",
+                )
+            return
+        self.store.record_checkpoint(attempt_id, label=label, progress=None, source="file", now=now)
+
+    def _advance_dirty(self, now: float) -> None:
+        if self._ticks % FULL_DAG_SWEEP_TICKS == 0:
+            self._dirty_jobs.clear()
+            self._advance(None, now)
+        elif self._dirty_jobs:
+            dirty, self._dirty_jobs = self._dirty_jobs, set()
+            self._advance(dirty, now)
+
+    def _advance(self, job_ids: Iterable[str] | None, now: float) -> None:
+        for view in self.store.job_views(job_ids):
+            changes = advance(view)
+            if changes.empty:
+                continue
+            try:
+                self.store.apply_dag(changes, now)
+            except StaleState:
+                log.info("job %s moved while advancing its DAG; next tick retries", view.job_id)
+
+    # -- act -----------------------------------------------------------------------------------
+
+    def _start(self, start: StartStep, now: float) -> bool:
+        try:
+            launch = self.store.begin_attempt(
+                job_id=start.job_id,
+                step=start.step,
+                node=start.node,
+                gpus=start.gpus,
+                layout=self.settings.layout,
+                now=now,
+                reason=start.reason,
+            )
+        except (StaleState, GpuBusy) as exc:
+            log.info("not starting %s/%s: %s", start.job_id, start.step, exc)
+            return False
+        self._reasons.pop((start.job_id, start.step), None)
+        try:
+            request = self._launch_request(launch, now)
+            identity = self.executor.launch(request, now)
+        except ExecutorError as exc:
+            self._launch_failed(launch, str(exc), exc.temporary, now)
+            return False
+        except Exception as exc:  # an unclassified error: treat as permanent, but keep the loop
+            log.exception("launch of %s/%s failed", launch.job_id, launch.step)
+            self._launch_failed(launch, f"{type(exc).__name__}: {exc}", False, now)
+            return False
+        self.store.set_attempt_process(launch.attempt_id, identity)
+        return True
+
+    def _launch_request(self, launch: AttemptLaunch, now: float) -> LaunchRequest:
+        resolved = launch.resolved
+        for uri in (resolved.outputs, resolved.checkpoint_dir):
+            if uri:
+                self.artifacts.ensure_dir(uri)
+        _, token = self.store.create_token(
+            name=f"{launch.job_id}/{launch.step}#{launch.number}",
+            owner=f"step:{launch.job_id}",
+            role="step",
+            now=now,
+            attempt_id=launch.attempt_id,
+        )
+        notice = self._notice_path(launch.job_id, launch.step, launch.number)
+        grace = launch.grace_seconds
+        env = step_environment(
+            job_id=launch.job_id,
+            attempt=launch.number,
+            node=launch.node,
+            gpus=launch.gpus,
+            resolved=resolved,
+            params=launch.params,
+            grace_seconds=grace,
+            notice_path=notice,
+            last_checkpoint=launch.last_checkpoint,
+            api_url=self.settings.api_url,
+            step_token=token,
+            storage_options=self.settings.storage_options,
+        )
+        mounts = tuple(
+            u
+            for u in (resolved.outputs, resolved.checkpoint_dir, *resolved.inputs.values())
+            if u and not is_remote(u)
+        )
+        return LaunchRequest(
+            attempt_id=launch.attempt_id,
+            job_id=launch.job_id,
+            step=launch.step,
+            attempt=launch.number,
+            node=launch.node,
+            gpus=launch.gpus,
+            command=resolved.command,
+            image=resolved.image,
+            env=env,
+            work_dir=launch.work_dir,
+            log_path=self.settings.layout.attempt_log(launch.job_id, launch.step, launch.number),
+            notice_path=notice,
+            mounts=mounts,
+        )
+
+    def _launch_failed(self, launch: AttemptLaunch, message: str, temporary: bool, now: float) -> None:
+        ctx = self.store.exit_context(launch.attempt_id)
+        decision = classify_launch_failure(
+            step_state=ctx.step_state,
+            message=message,
+            temporary=temporary,
+            retries_used=ctx.retries_used,
+            max_retries=ctx.max_retries,
+            now=now,
+            retry=self.settings.retry,
+        )
+        self._finish(ctx, decision, AttemptExit(launch.attempt_id, None, None, now))
+        self._dirty_jobs.add(launch.job_id)
+
+    def _write_reasons(self, plan: SchedulePlan) -> None:
+        changed = {
+            (w.job_id, w.step): w.reason
+            for w in plan.waiting
+            if self._reasons.get((w.job_id, w.step)) != w.reason
+        }
+        if changed:
+            self.store.set_waiting_reasons(changed)
+            self._reasons.update(changed)
+        if len(self._reasons) > 4 * max(1, len(plan.waiting)) + 1000:
+            waiting = {(w.job_id, w.step) for w in plan.waiting}
+            self._reasons = {k: v for k, v in self._reasons.items() if k in waiting}
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _notice_path(self, job_id: str, step: str, number: int) -> str:
+        return self.settings.layout.notice_file(job_id, step, number)
+
+    def _guard(self, report: TickReport, what: str, fn: Callable[[], _T], default: _T) -> _T:
+        try:
+            return fn()
+        except Exception:
+            report.errors += 1
+            log.exception("%s failed; the tick goes on", what)
+            return default

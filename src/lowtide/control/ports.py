@@ -1,0 +1,87 @@
+"""The narrow ports the control loop talks through, besides the executor (see executor_port).
+
+`StorePort` is the loop's half of `store.repo.Store`; `ArtifactPort` reads and prepares paths
+under the artifact root (local or fsspec). Must not: contain implementations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Protocol
+
+from lowtide.control.executor_port import ProcessIdentity
+from lowtide.control.records import AttemptLaunch, AttemptRecord, ExitContext, NoticeDue, TokenRecord
+from lowtide.domain.gpus import Node
+from lowtide.domain.layout import ArtifactLayout
+from lowtide.policy.dag import DagChanges, JobView
+from lowtide.policy.outcomes import ExitDecision
+from lowtide.policy.snapshot import Snapshot
+
+
+class StorePort(Protocol):
+    def ensure_gpus(self, nodes: Iterable[Node], now: float) -> None: ...
+
+    def snapshot(self, *, now: float, nodes: tuple[Node, ...], half_life_s: float) -> Snapshot: ...
+
+    def begin_attempt(
+        self,
+        *,
+        job_id: str,
+        step: str,
+        node: str,
+        gpus: tuple[int, ...],
+        layout: ArtifactLayout,
+        now: float,
+        reason: str,
+    ) -> AttemptLaunch: ...
+
+    def set_attempt_process(self, attempt_id: int, identity: ProcessIdentity) -> None: ...
+
+    def active_attempts(self) -> list[AttemptRecord]: ...
+
+    def exit_context(self, attempt_id: int) -> ExitContext: ...
+
+    def finish_attempt(
+        self,
+        ctx: ExitContext,
+        decision: ExitDecision,
+        *,
+        ended_at: float,
+        exit_code: int | None,
+        signal: int | None,
+        killed_at_deadline: bool,
+        half_life_s: float,
+    ) -> None: ...
+
+    def notices_due(self) -> list[NoticeDue]: ...
+
+    def mark_stopping(self, attempt_id: int, *, deadline: float, reason: str, now: float) -> None: ...
+
+    def job_views(self, job_ids: Iterable[str] | None = None) -> list[JobView]: ...
+
+    def apply_dag(self, changes: DagChanges, now: float) -> None: ...
+
+    def set_waiting_reasons(self, reasons: Mapping[tuple[str, str], str]) -> None: ...
+
+    def record_checkpoint(
+        self, attempt_id: int, *, label: str, progress: str | None, source: str, now: float
+    ) -> bool: ...
+
+    def add_event(
+        self, job_id: str, step: str | None, attempt_id: int | None, *, at: float, kind: str, message: str
+    ) -> None: ...
+
+    def create_token(
+        self, *, name: str, owner: str, role: str, now: float, attempt_id: int | None = None
+    ) -> tuple[TokenRecord, str]: ...
+
+
+class ArtifactPort(Protocol):
+    def ensure_dir(self, uri: str) -> None:
+        """Make sure a directory exists (a no-op on object stores, which have no directories)."""
+        ...
+
+    def read_text(self, uri: str, *, max_bytes: int) -> str | None:
+        """The file's text, or None if it does not exist. Raises ValueError if it is larger than
+        `max_bytes` or not UTF-8, OSError for storage errors."""
+        ...

@@ -1,0 +1,205 @@
+"""Plain values the store returns and the loop and API consume: rows as frozen dataclasses,
+never live ORM objects; plus the store errors the loop must be able to catch.
+
+They live here, below the store, so that `control` can name them without importing the store.
+Must not: query or mutate anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from lowtide.domain.spec import JobSpec, ResolvedStep
+from lowtide.domain.states import AttemptState, JobState, StepState
+
+
+class StoreError(Exception):
+    """Base class of the store's own errors."""
+
+
+class NotFound(StoreError, KeyError):
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "not found"
+
+
+class StaleState(StoreError):
+    """A guarded write found the row in another state than expected: someone else moved it first."""
+
+
+class GpuBusy(StoreError):
+    """A GPU to be booked is already held by another holder (a double booking was prevented)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NewJob:
+    id: str
+    spec: JobSpec
+    resolved: tuple[ResolvedStep, ...]
+    source_text: str
+    owner: str
+    submitted_at: float
+    rerun_of: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class JobRecord:
+    id: str
+    name: str
+    team: str
+    owner: str
+    priority: int
+    state: JobState
+    submitted_at: float
+    started_at: float | None
+    finished_at: float | None
+    cancel_requested_at: float | None
+    grace_seconds: float
+    template: str | None
+    rerun_of: str | None
+    spec: Mapping[str, Any]
+    source_text: str
+    message: str
+    step_states: Mapping[str, int] = field(default_factory=dict)  # state -> count (listings)
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    id: int
+    job_id: str
+    name: str
+    idx: int
+    state: StepState
+    gpus: int
+    depends: tuple[str, ...]
+    resolved: Mapping[str, Any]
+    max_retries: int
+    retries_used: int
+    preemptions: int
+    eligible_at: float
+    reason: str
+    last_checkpoint: str | None
+    last_checkpoint_at: float | None
+    updated_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptRecord:
+    id: int
+    job_id: str
+    step_name: str
+    number: int
+    state: AttemptState
+    node: str
+    gpus: tuple[int, ...]
+    started_at: float
+    ended_at: float | None
+    pid: int | None
+    pid_started_at: float | None
+    exit_code: int | None
+    signal: int | None
+    notice_at: float | None
+    stop_deadline: float | None
+    stop_reason: str | None
+    killed_at_deadline: bool
+    work_dir: str
+    record: Mapping[str, Any]
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRecord:
+    attempt_id: int
+    job_id: str
+    step_name: str
+    label: str
+    progress: str | None
+    source: str
+    reported_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class EventRecord:
+    job_id: str
+    step_name: str | None
+    attempt_id: int | None
+    at: float
+    kind: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class JobDetail:
+    job: JobRecord
+    steps: tuple[StepRecord, ...]
+    attempts: tuple[AttemptRecord, ...]
+    checkpoints: tuple[CheckpointRecord, ...]
+    events: tuple[EventRecord, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptLaunch:
+    """What the actuator needs to launch an attempt the store has just booked."""
+
+    attempt_id: int
+    number: int
+    job_id: str
+    step: str
+    team: str
+    node: str
+    gpus: tuple[int, ...]
+    resolved: ResolvedStep
+    params: Mapping[str, Any]
+    work_dir: str
+    last_checkpoint: str | None
+    grace_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class ExitContext:
+    """What the exit classification needs to know about an attempt that ended."""
+
+    attempt_id: int
+    job_id: str
+    step: str
+    attempt_state: AttemptState
+    step_state: StepState
+    retries_used: int
+    max_retries: int
+    checkpoint_dir: str | None
+    last_checkpoint: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class NoticeDue:
+    """A running attempt whose step must be stopped (cancelled or preempted) and has no notice yet."""
+
+    attempt_id: int
+    job_id: str
+    step: str
+    step_state: StepState
+    grace_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class GpuHolding:
+    node: str
+    index: int
+    holder_kind: str  # idle | attempt | replica
+    holder_id: str | None
+    job_id: str | None
+    step: str | None
+    team: str | None
+    since: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRecord:
+    id: int
+    name: str
+    owner: str
+    role: str
+    attempt_id: int | None
+    created_at: float
+    revoked_at: float | None

@@ -1,0 +1,1 @@
+"""Pure values and state machines: ids, GPUs, job specs, lifecycle enums. No I/O, no clock."""

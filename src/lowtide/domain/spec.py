@@ -1,0 +1,94 @@
+"""Job and step specifications as immutable values (DESIGN §5).
+
+These are what a validated job spec becomes; `spec_parse` builds them from YAML/JSON
+documents and `spec_parse.render_step` resolves a step's templates for one job id.
+Must not: read files, parse text, or know about the store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Named priorities; an integer in PRIORITY_RANGE may be given instead.
+PRIORITY_NAMES: Mapping[str, int] = {"low": 10, "normal": 50, "high": 90}
+PRIORITY_RANGE = (0, 100)
+DEFAULT_GRACE_SECONDS = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class StepSpec:
+    """One step of a job: a command (or container image), its GPUs and its upstream steps."""
+
+    name: str
+    command: tuple[str, ...]
+    gpus: int = 0
+    image: str | None = None
+    depends: tuple[str, ...] = ()
+    checkpoint: bool = False
+    max_retries: int | None = None  # None: the job's max_retries
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """A validated job: a DAG of steps plus its scheduling attributes and parameters."""
+
+    name: str
+    steps: tuple[StepSpec, ...]
+    team: str = "default"
+    priority: int = PRIORITY_NAMES["normal"]
+    grace_seconds: float = DEFAULT_GRACE_SECONDS
+    max_retries: int = 0
+    params: Mapping[str, Any] = field(default_factory=dict)
+    template: str | None = None  # the template it was expanded from, for the record
+
+    def step(self, name: str) -> StepSpec:
+        for step in self.steps:
+            if step.name == name:
+                return step
+        raise KeyError(name)
+
+    def retries_for(self, step: StepSpec) -> int:
+        return self.max_retries if step.max_retries is None else step.max_retries
+
+    def to_document(self) -> dict[str, Any]:
+        """A plain document that `spec_parse.build_job_spec` accepts and turns back into this spec."""
+        doc: dict[str, Any] = {
+            "name": self.name,
+            "team": self.team,
+            "priority": self.priority,
+            "grace_seconds": self.grace_seconds,
+            "max_retries": self.max_retries,
+            "params": dict(self.params),
+            "steps": [],
+        }
+        for step in self.steps:
+            s: dict[str, Any] = {"name": step.name, "command": list(step.command), "gpus": step.gpus}
+            if step.image is not None:
+                s["image"] = step.image
+            if step.depends:
+                s["depends"] = list(step.depends)
+            if step.checkpoint:
+                s["checkpoint"] = True
+            if step.max_retries is not None:
+                s["max_retries"] = step.max_retries
+            if step.env:
+                s["env"] = dict(step.env)
+            doc["steps"].append(s)
+        return doc
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedStep:
+    """A step with every template filled in for one job: what an attempt actually runs."""
+
+    name: str
+    command: tuple[str, ...]
+    gpus: int
+    image: str | None
+    env: Mapping[str, str]
+    inputs: Mapping[str, str]  # upstream step name -> its outputs URI
+    outputs: str  # this step's outputs URI (stable across attempts)
+    checkpoint_dir: str | None  # stable across attempts; None unless `checkpoint: true`

@@ -1,0 +1,122 @@
+"""Lifecycle state machines for jobs, steps and attempts, each written once.
+
+Every machine is an enum plus a table of legal transitions. `check()` raises
+`IllegalTransition` for anything outside the table; the store's guarded writer
+(`UPDATE ... WHERE state = :expected`) calls it before every write, so there is one
+definition of what may happen and one place that makes it happen.
+
+Must not: read the clock, touch the database, or know about executors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Generic, TypeVar
+
+
+class IllegalTransition(ValueError):
+    """A state change that the machine's transition table does not allow."""
+
+
+class JobState(StrEnum):
+    QUEUED = "QUEUED"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+
+class StepState(StrEnum):
+    PENDING = "PENDING"  # waiting for upstream steps
+    READY = "READY"  # upstream done, waiting for GPUs (or for its retry backoff)
+    RUNNING = "RUNNING"
+    PREEMPTING = "PREEMPTING"  # notice given to give GPUs back; will be requeued
+    PREEMPTED = "PREEMPTED"  # interrupted and requeued at the head of its class
+    CANCELLING = "CANCELLING"  # notice given because the job was cancelled
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    SKIPPED = "SKIPPED"  # never ran: an upstream step failed or the job was stopped
+
+
+class AttemptState(StrEnum):
+    RUNNING = "RUNNING"
+    STOPPING = "STOPPING"  # notice given, waiting for exit or deadline
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    INTERRUPTED = "INTERRUPTED"  # exited non-zero or was killed after notice
+    LOST = "LOST"  # the process vanished while the control plane was down
+
+
+_S = TypeVar("_S", bound=StrEnum)
+
+
+@dataclass(frozen=True)
+class Lifecycle(Generic[_S]):
+    """A named transition table over one enum."""
+
+    name: str
+    transitions: Mapping[_S, frozenset[_S]]
+
+    def allowed(self, current: _S, target: _S) -> bool:
+        return target in self.transitions.get(current, frozenset())
+
+    def check(self, current: _S, target: _S) -> None:
+        if not self.allowed(current, target):
+            raise IllegalTransition(f"{self.name}: {current} -> {target} is not a legal transition")
+
+    def is_terminal(self, state: _S) -> bool:
+        return not self.transitions.get(state)
+
+
+J, S, A = JobState, StepState, AttemptState
+
+JOB_LIFECYCLE: Lifecycle[JobState] = Lifecycle(
+    "job",
+    {
+        J.QUEUED: frozenset({J.RUNNING, J.SUCCEEDED, J.FAILED, J.CANCELLED}),
+        J.RUNNING: frozenset({J.SUCCEEDED, J.FAILED, J.CANCELLED}),
+        J.SUCCEEDED: frozenset(),
+        J.FAILED: frozenset(),
+        J.CANCELLED: frozenset(),
+    },
+)
+
+STEP_LIFECYCLE: Lifecycle[StepState] = Lifecycle(
+    "step",
+    {
+        S.PENDING: frozenset({S.READY, S.SKIPPED, S.CANCELLED}),
+        S.READY: frozenset({S.RUNNING, S.SKIPPED, S.CANCELLED, S.FAILED}),
+        # RUNNING -> READY: a retry after failure, or a requeue after the process was lost.
+        S.RUNNING: frozenset({S.SUCCEEDED, S.FAILED, S.READY, S.PREEMPTING, S.CANCELLING}),
+        # Exit 0 after notice means "done" by contract; a crash while checkpointing may retry.
+        S.PREEMPTING: frozenset({S.PREEMPTED, S.SUCCEEDED, S.FAILED, S.READY, S.CANCELLING}),
+        S.PREEMPTED: frozenset({S.RUNNING, S.CANCELLED, S.SKIPPED}),
+        S.CANCELLING: frozenset({S.CANCELLED}),
+        S.SUCCEEDED: frozenset(),
+        S.FAILED: frozenset(),
+        S.CANCELLED: frozenset(),
+        S.SKIPPED: frozenset(),
+    },
+)
+
+ATTEMPT_LIFECYCLE: Lifecycle[AttemptState] = Lifecycle(
+    "attempt",
+    {
+        A.RUNNING: frozenset({A.STOPPING, A.SUCCEEDED, A.FAILED, A.LOST}),
+        A.STOPPING: frozenset({A.INTERRUPTED, A.SUCCEEDED, A.FAILED, A.LOST}),
+        A.SUCCEEDED: frozenset(),
+        A.FAILED: frozenset(),
+        A.INTERRUPTED: frozenset(),
+        A.LOST: frozenset(),
+    },
+)
+
+#: Steps that wait for the scheduler (they may be started when GPUs allow).
+QUEUED_STEP_STATES = frozenset({S.READY, S.PREEMPTED})
+#: Steps whose attempt holds GPUs right now.
+ACTIVE_STEP_STATES = frozenset({S.RUNNING, S.PREEMPTING, S.CANCELLING})
+TERMINAL_STEP_STATES = frozenset(s for s in StepState if STEP_LIFECYCLE.is_terminal(s))
+TERMINAL_JOB_STATES = frozenset(s for s in JobState if JOB_LIFECYCLE.is_terminal(s))

@@ -1,0 +1,171 @@
+"""What an attempt's end means for its step: success, retry with backoff, failure, or requeue.
+
+The contract (DESIGN §5): exit 0 means "done", never "interrupted". A non-zero exit of a step
+that was not asked to stop is a failure: retried with exponential backoff while retries remain,
+FAILED after. A step that was asked to stop because its job was cancelled ends CANCELLED whatever
+its exit. A preempted step (given notice to return GPUs) that exits non-zero or is killed is
+PREEMPTED: requeued without backoff and without using a retry. An attempt lost while the control
+plane was down is requeued without using a retry (it is not the step's fault).
+Neighbours: the loop classifies each exit with `classify_exit` and hands the decision to the store.
+Must not: read the clock (`now` is passed in) or touch the store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lowtide.domain.states import AttemptState, StepState
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    backoff_s: float = 10.0
+    backoff_max_s: float = 600.0
+
+    def delay(self, retry_number: int) -> float:
+        """Backoff before retry number `retry_number` (1-based): base × 2^(n-1), capped."""
+        return float(min(self.backoff_max_s, self.backoff_s * 2 ** max(0, retry_number - 1)))
+
+
+@dataclass(frozen=True, slots=True)
+class ExitDecision:
+    attempt_state: AttemptState
+    step_state: StepState
+    retries_used: int
+    eligible_at: float
+    message: str
+    requeued: bool = False
+    preempted: bool = False
+
+
+def describe_exit(exit_code: int | None, signal: int | None, killed_at_deadline: bool) -> str:
+    if killed_at_deadline:
+        return "killed at the grace deadline"
+    if exit_code is not None:
+        return f"exit code {exit_code}"
+    if signal is not None:
+        return f"killed by signal {signal}"
+    return "exit status unknown"
+
+
+def classify_exit(
+    *,
+    step_state: StepState,
+    exit_code: int | None,
+    signal: int | None,
+    killed_at_deadline: bool,
+    retries_used: int,
+    max_retries: int,
+    now: float,
+    retry: RetryPolicy,
+) -> ExitDecision:
+    how = describe_exit(exit_code, signal, killed_at_deadline)
+    ok = exit_code == 0 and not killed_at_deadline
+
+    if step_state == StepState.CANCELLING:
+        attempt = AttemptState.SUCCEEDED if ok else AttemptState.INTERRUPTED
+        return ExitDecision(attempt, StepState.CANCELLED, retries_used, 0.0, f"cancelled ({how})")
+
+    if step_state == StepState.PREEMPTING:
+        if ok:
+            return ExitDecision(
+                AttemptState.SUCCEEDED,
+                StepState.SUCCEEDED,
+                retries_used,
+                0.0,
+                "finished after notice (exit 0 means done)",
+            )
+        return ExitDecision(
+            AttemptState.INTERRUPTED,
+            StepState.PREEMPTED,
+            retries_used,
+            0.0,
+            f"preempted ({how}); requeued",
+            requeued=True,
+            preempted=True,
+        )
+
+    if ok:
+        return ExitDecision(AttemptState.SUCCEEDED, StepState.SUCCEEDED, retries_used, 0.0, "succeeded")
+    if retries_used < max_retries:
+        n = retries_used + 1
+        delay = retry.delay(n)
+        return ExitDecision(
+            AttemptState.FAILED,
+            StepState.READY,
+            n,
+            now + delay,
+            f"failed ({how}); retry {n} of {max_retries} in {delay:g}s",
+            requeued=True,
+        )
+    suffix = f" after {max_retries} retries" if max_retries else ""
+    return ExitDecision(AttemptState.FAILED, StepState.FAILED, retries_used, 0.0, f"failed ({how}){suffix}")
+
+
+def classify_lost(*, step_state: StepState, retries_used: int) -> ExitDecision:
+    """The process vanished while the control plane was down: requeue without using a retry."""
+    if step_state == StepState.CANCELLING:
+        return ExitDecision(
+            AttemptState.LOST, StepState.CANCELLED, retries_used, 0.0, "cancelled (process lost)"
+        )
+    if step_state == StepState.PREEMPTING:
+        return ExitDecision(
+            AttemptState.LOST,
+            StepState.PREEMPTED,
+            retries_used,
+            0.0,
+            "process lost during preemption; requeued",
+            requeued=True,
+            preempted=True,
+        )
+    return ExitDecision(
+        AttemptState.LOST,
+        StepState.READY,
+        retries_used,
+        0.0,
+        "process lost while the control plane was down; requeued",
+        requeued=True,
+    )
+
+
+def classify_launch_failure(
+    *,
+    step_state: StepState,
+    message: str,
+    temporary: bool,
+    retries_used: int,
+    max_retries: int,
+    now: float,
+    retry: RetryPolicy,
+) -> ExitDecision:
+    """The executor could not start the attempt. A temporary failure (resources exhausted) is
+    requeued after a backoff without using a retry; a permanent one (command not found) is a
+    failure like a non-zero exit."""
+    if step_state == StepState.RUNNING and temporary:
+        return ExitDecision(
+            AttemptState.FAILED,
+            StepState.READY,
+            retries_used,
+            now + retry.delay(1),
+            f"launch failed ({message}); will try again",
+            requeued=True,
+        )
+    decision = classify_exit(
+        step_state=step_state,
+        exit_code=None,
+        signal=None,
+        killed_at_deadline=False,
+        retries_used=retries_used,
+        max_retries=max_retries,
+        now=now,
+        retry=retry,
+    )
+    return ExitDecision(
+        decision.attempt_state,
+        decision.step_state,
+        decision.retries_used,
+        decision.eligible_at,
+        decision.message.replace("exit status unknown", f"launch failed: {message}"),
+        requeued=decision.requeued,
+        preempted=decision.preempted,
+    )

@@ -1,0 +1,258 @@
+"""decide(): which queued steps start now, on which GPUs, and why the others wait.
+
+Role: the scheduling policy of the control loop (DESIGN.md §3, "decide"). It reads one immutable
+`Snapshot` and returns a `SchedulePlan`; the actuator applies it. Neighbours: `policy.snapshot`
+(input), `policy.plan` (output), `policy.fairshare` (team order), `policy.placement` (which
+GPUs). Must not: do I/O, read the clock, sleep, draw random numbers or mutate the snapshot; the
+same snapshot always gives the same plan.
+
+Queue order
+    Steps whose `eligible_at` is still in the future (retry backoff) are not considered. The
+    others go by priority class, higher first. Within a class, steps requeued after preemption
+    come first (among themselves in the same order as below); then teams by dominant share
+    ascending (`policy.fairshare`), and within a team by submit time, job id and step index.
+    Equal shares go by the teams' first steps, in that same order. The share is recomputed as
+    this decision places steps: once team A gets GPUs its share rises, so two teams with equal
+    claims interleave rather than one taking everything. Implemented as per-class, per-team
+    FIFO queues and a heap of teams keyed by share: O(n log n) in the number of queued steps.
+
+Placement
+    A step with no GPUs always starts, on the first node by name. A GPU step goes on one node,
+    chosen best fit among the nodes not reserved in this decision (`policy.placement`).
+
+Reservations and backfill
+    When a GPU step cannot be placed and fewer than `max_reservations` reservations exist, it
+    becomes a reserved head: among the non-reserved nodes able to hold it at all (GPUs minus
+    unavailable ≥ its need) it reserves the one with the most free GPUs (ties: name). From then
+    on no later step in this decision takes a GPU on that node. Later steps that fit elsewhere
+    start anyway: that is backfill.
+
+    What is guaranteed: within a decision, nothing ordered after a reserved head takes a GPU on
+    its node, so the GPUs free there, and on later ticks the GPUs that free up there, are held
+    for the head for as long as it stays first among the blocked steps. As holders finish, its
+    node only gains free GPUs (unless inference takes some back), so the next tick picks it
+    again unless another node has become closer to fitting the head; the reservation then
+    moves there, which only helps the head.
+    What is not: when the head starts. No runtime estimates exist, so lowtide cannot know when
+    the node's current holders finish, and it does not bound it; backfilled steps cannot delay
+    the head because they never hold its node's GPUs, but they may well run longer than it
+    waits. A head that no node could ever hold (too many GPUs, or too many unavailable)
+    reserves nothing and says so. A step that arrives later at a higher priority, or of a team
+    whose share drops below the head's team, moves ahead of it and takes the reservation over.
+
+Reasons
+    Every queued step ends up in exactly one of `starts` or `waiting`, with a reason shown to
+    researchers. Reasons depend only on the situation, never on timing, so the same situation
+    gives the same string.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from lowtide.policy.fairshare import FairSharePolicy, TeamShares
+from lowtide.policy.placement import FreeGpus
+from lowtide.policy.plan import Reservation, SchedulePlan, StartStep, Waiting
+from lowtide.policy.snapshot import QueuedStep, Snapshot
+
+
+@dataclass(frozen=True)
+class SchedulerPolicy:
+    fair_share: FairSharePolicy = field(default_factory=FairSharePolicy)
+    #: How many blocked heads may each hold a node back from backfill (0: pure greedy backfill).
+    max_reservations: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_reservations < 0:
+            raise ValueError(f"max_reservations must be ≥ 0, got {self.max_reservations}")
+
+
+def decide(snapshot: Snapshot, policy: SchedulerPolicy) -> SchedulePlan:
+    """The plan for this tick: starts, waiting steps with reasons, reservations."""
+    return _Decision(snapshot, policy).run()
+
+
+# --- queue order ---------------------------------------------------------------------------------
+
+_FifoKey = tuple[float, str, int, str]
+
+
+def _fifo_key(step: QueuedStep) -> _FifoKey:
+    return (step.submitted_at, step.job_id, step.step_index, step.step)
+
+
+def in_queue_order(steps: Iterable[QueuedStep], shares: TeamShares) -> Iterator[QueuedStep]:
+    """Yield startable steps in queue order, reading team shares lazily.
+
+    The share of a team is read when its next step is pushed onto the heap, which happens after
+    the caller has handled the step just yielded: so GPUs the caller gives a team (through
+    `shares.add_held`) already count against that team's next step. Only the team just served
+    can have changed, so the other heap entries stay valid.
+    """
+    # Each queue holds (fifo key, step), earliest last so that pop() takes it; keys are built
+    # once per step rather than on every heap push.
+    classes: dict[tuple[int, bool], dict[str, list[tuple[_FifoKey, QueuedStep]]]] = {}
+    for step in steps:
+        class_key = (-step.priority, not step.preempted)  # sorts higher priority, then preempted first
+        classes.setdefault(class_key, {}).setdefault(step.team, []).append((_fifo_key(step), step))
+    for class_key in sorted(classes):
+        by_team = classes[class_key]
+        heap: list[tuple[float, _FifoKey, str]] = []
+        for team, queue in by_team.items():
+            queue.sort(key=_first, reverse=True)
+            heap.append((shares.share(team), queue[-1][0], team))
+        heapq.heapify(heap)
+        while heap:
+            team = heap[0][2]
+            queue = by_team[team]
+            yield queue.pop()[1]
+            if queue:
+                heapq.heapreplace(heap, (shares.share(team), queue[-1][0], team))
+            else:
+                heapq.heappop(heap)
+
+
+def _first(entry: tuple[_FifoKey, QueuedStep]) -> _FifoKey:
+    return entry[0]
+
+
+# --- one decision --------------------------------------------------------------------------------
+
+
+class _Decision:
+    """The working state of one `decide` call; thrown away with it."""
+
+    def __init__(self, snapshot: Snapshot, policy: SchedulerPolicy) -> None:
+        self._snapshot = snapshot
+        self._max_reservations = policy.max_reservations
+        self._free = FreeGpus.from_snapshot(snapshot)
+        self._shares = TeamShares.from_snapshot(snapshot, policy.fair_share)
+        self._cpu_node = min((node.name for node in snapshot.nodes), default=None)
+        self._largest_node = max((node.gpu_count for node in snapshot.nodes), default=0)
+        self._starts: list[StartStep] = []
+        self._waiting: list[Waiting] = []
+        self._reservations: list[Reservation] = []
+        self._reserved_nodes: set[str] = set()
+        # Waiting reasons by GPU count: most queued steps wait for the same few reasons, and a
+        # reason only changes when a take or a reservation changes the free GPUs.
+        self._blocked_reasons: dict[int, str] = {}
+        self._backfill_note = ""
+        # Free GPUs only shrink during a decision, so a need that failed once fails again.
+        self._smallest_unplaceable = math.inf
+
+    def run(self) -> SchedulePlan:
+        now = self._snapshot.now
+        ready = [step for step in self._snapshot.queued if step.eligible_at <= now]
+        backing_off = [step for step in self._snapshot.queued if step.eligible_at > now]
+        for step in in_queue_order(ready, self._shares):
+            self._consider(step)
+        for step in sorted(backing_off, key=lambda s: (s.eligible_at, _fifo_key(s))):
+            self._waiting.append(Waiting(step.job_id, step.step, backoff_reason(step, now)))
+        return SchedulePlan(
+            starts=tuple(self._starts),
+            waiting=tuple(self._waiting),
+            reservations=tuple(self._reservations),
+        )
+
+    def _consider(self, step: QueuedStep) -> None:
+        need = step.gpus
+        if need <= 0:
+            self._start_cpu_step(step)
+            return
+        if need < self._smallest_unplaceable:
+            node = self._free.best_fit(need, self._reserved_nodes)
+            if node is not None:
+                self._start_on(step, node)
+                return
+            self._smallest_unplaceable = need
+        if len(self._reservations) < self._max_reservations:
+            target = self._free.most_free_with_capacity(need, self._reserved_nodes)
+            if target is not None:
+                self._reserve(step, target)
+                return
+        self._waiting.append(Waiting(step.job_id, step.step, self._blocked_reason(need)))
+
+    def _start_cpu_step(self, step: QueuedStep) -> None:
+        if self._cpu_node is None:
+            self._waiting.append(Waiting(step.job_id, step.step, "needs no GPUs, but the pool has no nodes"))
+            return
+        reason = f"needs no GPUs: runs on {self._cpu_node}"
+        self._starts.append(StartStep(step.job_id, step.step, self._cpu_node, (), reason))
+
+    def _start_on(self, step: QueuedStep, node: str) -> None:
+        free_before = self._free.free_count(node)
+        gpus = self._free.take(node, step.gpus)
+        self._blocked_reasons.clear()
+        self._shares.add_held(step.team, step.gpus)
+        verb = "backfilled" if self._reservations else "placed"
+        reason = f"{verb} on {node} {_gpu_list(gpus)} (best fit: {free_before} free){self._backfill_note}"
+        self._starts.append(StartStep(step.job_id, step.step, node, gpus, reason))
+
+    def _reserve(self, step: QueuedStep, node: str) -> None:
+        lead = "head of the queue" if not self._reservations else "next in line"
+        missing = step.gpus - self._free.free_count(node)
+        self._reservations.append(Reservation(step.job_id, step.step, node, step.gpus))
+        self._reserved_nodes.add(node)
+        self._blocked_reasons.clear()
+        self._backfill_note = " while " + " and ".join(
+            f"{r.job_id}/{r.step} waits for {r.node}" for r in self._reservations
+        )
+        reason = f"{lead}: waiting for {_count(missing, 'more GPU')} on {node} (GPUs held back from backfill)"
+        self._waiting.append(Waiting(step.job_id, step.step, reason))
+
+    def _blocked_reason(self, need: int) -> str:
+        reason = self._blocked_reasons.get(need)
+        if reason is None:
+            reason = self._blocked_reasons[need] = self._explain_blocked(need)
+        return reason
+
+    def _explain_blocked(self, need: int) -> str:
+        wants = f"needs {need} GPUs on one node"
+        if need > self._largest_node:
+            return f"{wants}; no node has that many"
+        lendable = self._free.largest_capacity()
+        if need > lendable:
+            if lendable == 0:
+                return f"{wants}; no GPUs can be lent now"
+            return f"{wants}; at most {lendable} on any node can be lent now"
+        block = self._free.largest_free_block(self._reserved_nodes)
+        reason = "no free GPUs" if block == 0 else f"{wants}; largest free block is {block}"
+        # Name the reservations that hide a bigger block than the one quoted: they are why
+        # the figure is smaller than what the researcher may see free on the dashboard.
+        holds = [
+            f"{r.node} is held for {r.job_id}/{r.step}, which is {'first' if i == 0 else 'ahead'} in line"
+            for i, r in enumerate(self._reservations)
+            if self._free.free_count(r.node) > block
+        ]
+        return f"{reason} ({'; '.join(holds)})" if holds else reason
+
+
+# --- wording -------------------------------------------------------------------------------------
+
+
+def backoff_reason(step: QueuedStep, now: float) -> str:
+    """E.g. "retry backoff: eligible in 12s (attempt 2 of 3)"."""
+    note = f" ({step.retry_note})" if step.retry_note else ""
+    return f"retry backoff: eligible in {_duration(step.eligible_at - now)}{note}"
+
+
+def _duration(seconds: float) -> str:
+    """Whole seconds, rounded up, at the precision a person needs: 12s, 4m 5s, 2h 3m."""
+    total = math.ceil(seconds)
+    if total < 60:
+        return f"{total}s"
+    if total < 3600:
+        return f"{total // 60}m {total % 60}s"
+    return f"{total // 3600}h {total % 3600 // 60}m"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _gpu_list(indices: tuple[int, ...]) -> str:
+    word = "GPU" if len(indices) == 1 else "GPUs"
+    return f"{word} {','.join(str(i) for i in indices)}"

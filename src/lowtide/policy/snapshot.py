@@ -1,0 +1,64 @@
+"""The immutable snapshot the scheduling policy decides on.
+
+Built by `control.snapshot` from the store once per tick; consumed by `policy.scheduler.decide`.
+Everything a decision needs is here, including the time (`now`), so that the same snapshot
+always gives the same plan, in production, in tests and in the simulator.
+Must not: hold references to sessions, executors or anything mutable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from lowtide.domain.gpus import GpuRef, Node
+
+
+@dataclass(frozen=True, slots=True)
+class RunningStep:
+    """A step attempt that holds GPUs now."""
+
+    attempt_id: int
+    job_id: str
+    step: str
+    team: str
+    priority: int
+    node: str
+    gpus: tuple[int, ...]
+    started_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedStep:
+    """A step that may be started as soon as the policy places it (state READY or PREEMPTED)."""
+
+    job_id: str
+    step: str
+    team: str
+    priority: int
+    gpus: int
+    submitted_at: float  # the job's submit time: FIFO order within a class
+    step_index: int  # position in the job spec: a stable tie-break
+    eligible_at: float = 0.0  # retry backoff: not before this time
+    preempted: bool = False  # requeued after preemption: goes to the head of its priority class
+    retry_note: str = ""  # e.g. "attempt 2 of 3", shown in the waiting reason during backoff
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.job_id, self.step)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    now: float
+    nodes: tuple[Node, ...]
+    running: tuple[RunningStep, ...] = ()
+    queued: tuple[QueuedStep, ...] = ()
+    #: GPUs held by something other than a step attempt (an inference replica, a broken GPU).
+    unavailable: frozenset[GpuRef] = frozenset()
+    #: Per team: GPU-seconds used recently, already decayed to `now` (see policy.fairshare).
+    team_usage: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(n.gpu_count for n in self.nodes)

@@ -1,0 +1,105 @@
+"""Row → record conversions and ResolvedStep (de)serialisation. Must not: query."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Row
+
+from lowtide.control.records import AttemptRecord, JobRecord, StepRecord
+from lowtide.domain.spec import ResolvedStep
+from lowtide.domain.states import AttemptState, JobState, StepState
+
+
+def resolved_to_doc(r: ResolvedStep) -> dict[str, Any]:
+    return {
+        "name": r.name,
+        "command": list(r.command),
+        "gpus": r.gpus,
+        "image": r.image,
+        "env": dict(r.env),
+        "inputs": dict(r.inputs),
+        "outputs": r.outputs,
+        "checkpoint_dir": r.checkpoint_dir,
+    }
+
+
+def resolved_from_doc(doc: dict[str, Any]) -> ResolvedStep:
+    return ResolvedStep(
+        name=doc["name"],
+        command=tuple(doc["command"]),
+        gpus=int(doc["gpus"]),
+        image=doc.get("image"),
+        env=dict(doc.get("env") or {}),
+        inputs=dict(doc.get("inputs") or {}),
+        outputs=doc["outputs"],
+        checkpoint_dir=doc.get("checkpoint_dir"),
+    )
+
+
+def job_record(r: Row[Any], step_states: dict[str, int] | None = None) -> JobRecord:
+    return JobRecord(
+        id=r.id,
+        name=r.name,
+        team=r.team,
+        owner=r.owner,
+        priority=r.priority,
+        state=JobState(r.state),
+        submitted_at=r.submitted_at,
+        started_at=r.started_at,
+        finished_at=r.finished_at,
+        cancel_requested_at=r.cancel_requested_at,
+        grace_seconds=r.grace_seconds,
+        template=r.template,
+        rerun_of=r.rerun_of,
+        spec=r.spec,
+        source_text=r.source_text,
+        message=r.message,
+        step_states=step_states or {},
+    )
+
+
+def step_record(r: Row[Any]) -> StepRecord:
+    return StepRecord(
+        id=r.id,
+        job_id=r.job_id,
+        name=r.name,
+        idx=r.idx,
+        state=StepState(r.state),
+        gpus=r.gpus,
+        depends=tuple(r.depends),
+        resolved=r.resolved,
+        max_retries=r.max_retries,
+        retries_used=r.retries_used,
+        preemptions=r.preemptions,
+        eligible_at=r.eligible_at,
+        reason=r.reason,
+        last_checkpoint=r.last_checkpoint,
+        last_checkpoint_at=r.last_checkpoint_at,
+        updated_at=r.updated_at,
+    )
+
+
+def attempt_record(r: Row[Any]) -> AttemptRecord:
+    return AttemptRecord(
+        id=r.id,
+        job_id=r.job_id,
+        step_name=r.step_name,
+        number=r.number,
+        state=AttemptState(r.state),
+        node=r.node,
+        gpus=tuple(r.gpus),
+        started_at=r.started_at,
+        ended_at=r.ended_at,
+        pid=r.pid,
+        pid_started_at=r.pid_started_at,
+        exit_code=r.exit_code,
+        signal=r.signal,
+        notice_at=r.notice_at,
+        stop_deadline=r.stop_deadline,
+        stop_reason=r.stop_reason,
+        killed_at_deadline=bool(r.killed_at_deadline),
+        work_dir=r.work_dir,
+        record=r.record,
+        message=r.message,
+    )

@@ -1,0 +1,175 @@
+"""The database tables (SQLAlchemy Core). Alembic migrations under `migrations/` create exactly
+these; a test compares the two so they cannot drift.
+
+Times are float seconds since the epoch (UTC) on every backend: the policy code computes with
+them directly. Must not: hold behaviour; queries live in `repo` modules.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+metadata = sa.MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+Time = sa.Float(precision=53)
+
+jobs = sa.Table(
+    "jobs",
+    metadata,
+    sa.Column("id", sa.String(40), primary_key=True),
+    sa.Column("name", sa.String(63), nullable=False),
+    sa.Column("team", sa.String(63), nullable=False),
+    sa.Column("owner", sa.String(128), nullable=False),
+    sa.Column("priority", sa.Integer, nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("submitted_at", Time, nullable=False),
+    sa.Column("started_at", Time),
+    sa.Column("finished_at", Time),
+    sa.Column("cancel_requested_at", Time),
+    sa.Column("grace_seconds", sa.Float, nullable=False),
+    sa.Column("template", sa.String(63)),
+    sa.Column("rerun_of", sa.String(40)),
+    # The validated, template-expanded spec (JobSpec.to_document()): what `rerun` replays.
+    sa.Column("spec", sa.JSON, nullable=False),
+    # The submitted text, byte for byte as received (decoded UTF-8), for the record.
+    sa.Column("source_text", sa.Text, nullable=False),
+    sa.Column("message", sa.Text, nullable=False, server_default=""),
+    sa.Index(None, "state"),
+    sa.Index(None, "team"),
+    sa.Index(None, "submitted_at"),
+)
+
+steps = sa.Table(
+    "steps",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("job_id", sa.String(40), sa.ForeignKey("jobs.id", ondelete="CASCADE"), nullable=False),
+    sa.Column("name", sa.String(63), nullable=False),
+    sa.Column("idx", sa.Integer, nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("gpus", sa.Integer, nullable=False),
+    sa.Column("depends", sa.JSON, nullable=False),
+    # ResolvedStep as a document: command, image, env, inputs, outputs, checkpoint_dir.
+    sa.Column("resolved", sa.JSON, nullable=False),
+    sa.Column("max_retries", sa.Integer, nullable=False),
+    sa.Column("retries_used", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("preemptions", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("eligible_at", Time, nullable=False, server_default="0"),
+    sa.Column("reason", sa.Text, nullable=False, server_default=""),
+    sa.Column("last_checkpoint", sa.Text),
+    sa.Column("last_checkpoint_at", Time),
+    sa.Column("updated_at", Time, nullable=False),
+    sa.UniqueConstraint("job_id", "name"),
+    sa.Index(None, "state"),
+)
+
+attempts = sa.Table(
+    "attempts",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("job_id", sa.String(40), sa.ForeignKey("jobs.id", ondelete="CASCADE"), nullable=False),
+    sa.Column("step_id", sa.Integer, sa.ForeignKey("steps.id", ondelete="CASCADE"), nullable=False),
+    sa.Column("step_name", sa.String(63), nullable=False),
+    sa.Column("number", sa.Integer, nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("node", sa.String(63), nullable=False),
+    sa.Column("gpus", sa.JSON, nullable=False),
+    sa.Column("started_at", Time, nullable=False),
+    sa.Column("ended_at", Time),
+    sa.Column("pid", sa.Integer),
+    sa.Column("pid_started_at", Time),
+    sa.Column("exit_code", sa.Integer),
+    sa.Column("signal", sa.Integer),
+    sa.Column("notice_at", Time),
+    sa.Column("stop_deadline", Time),
+    sa.Column("stop_reason", sa.Text),
+    sa.Column("killed_at_deadline", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("work_dir", sa.Text, nullable=False),
+    # Reproducibility record: resolved command, image, params, inputs and outputs of this attempt.
+    sa.Column("record", sa.JSON, nullable=False),
+    sa.Column("message", sa.Text, nullable=False, server_default=""),
+    sa.UniqueConstraint("step_id", "number"),
+    sa.Index(None, "state"),
+    sa.Index(None, "job_id"),
+)
+
+checkpoints = sa.Table(
+    "checkpoints",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("attempt_id", sa.Integer, sa.ForeignKey("attempts.id", ondelete="CASCADE"), nullable=False),
+    sa.Column("job_id", sa.String(40), nullable=False),
+    sa.Column("step_name", sa.String(63), nullable=False),
+    sa.Column("label", sa.Text, nullable=False),
+    sa.Column("progress", sa.Text),
+    sa.Column("source", sa.String(8), nullable=False),  # "file" (LATEST) or "api"
+    sa.Column("reported_at", Time, nullable=False),
+    sa.Index(None, "job_id"),
+)
+
+events = sa.Table(
+    "events",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("job_id", sa.String(40), nullable=False),
+    sa.Column("step_name", sa.String(63)),
+    sa.Column("attempt_id", sa.Integer),
+    sa.Column("at", Time, nullable=False),
+    sa.Column("kind", sa.String(32), nullable=False),
+    sa.Column("message", sa.Text, nullable=False),
+    sa.Index(None, "job_id"),
+)
+
+# Every interval in which a GPU is held, and by whom. Exactly one open row (ended_at NULL) per
+# managed GPU at any time; holder_kind "idle" means nobody. The basis of all accounting.
+gpu_ledger = sa.Table(
+    "gpu_ledger",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("node", sa.String(63), nullable=False),
+    sa.Column("gpu_index", sa.Integer, nullable=False),
+    sa.Column("holder_kind", sa.String(16), nullable=False),  # idle | attempt | replica
+    sa.Column("holder_id", sa.String(80)),
+    sa.Column("job_id", sa.String(40)),
+    sa.Column("team", sa.String(63)),
+    sa.Column("started_at", Time, nullable=False),
+    sa.Column("ended_at", Time),
+    sa.Index(None, "node", "gpu_index", "ended_at"),
+    sa.Index(None, "job_id"),
+)
+
+team_usage = sa.Table(
+    "team_usage",
+    metadata,
+    sa.Column("team", sa.String(63), primary_key=True),
+    # GPU-seconds of finished attempts, decayed to `as_of` (see policy.fairshare).
+    sa.Column("decayed_gpu_seconds", sa.Float, nullable=False),
+    sa.Column("as_of", Time, nullable=False),
+)
+
+tokens = sa.Table(
+    "tokens",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("name", sa.String(128), nullable=False),
+    sa.Column("owner", sa.String(128), nullable=False),
+    sa.Column("role", sa.String(16), nullable=False),  # admin | user | step
+    sa.Column("token_hash", sa.String(64), nullable=False, unique=True),
+    sa.Column("attempt_id", sa.Integer),  # step tokens only: the attempt they may report for
+    sa.Column("created_at", Time, nullable=False),
+    sa.Column("revoked_at", Time),
+)
+
+meta = sa.Table(
+    "meta",
+    metadata,
+    sa.Column("key", sa.String(64), primary_key=True),
+    sa.Column("value", sa.Text, nullable=False),
+)
