@@ -83,3 +83,17 @@ def _python_on_path() -> None:
     bindir = str(Path(os.sys.executable).parent)
     if os.environ.get("PATH", "").split(os.pathsep)[0] != bindir:
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int) -> None:
+    """With LOWTIDE_REQUIRE_SERVICES=1 (CI), a test skipped for a missing service fails the run."""
+    if not REQUIRE_SERVICES:
+        return
+    missing = [
+        rep for rep in terminalreporter.stats.get("skipped", []) if "service unavailable" in str(rep.longrepr)
+    ]
+    if missing:
+        terminalreporter.write_line(
+            f"{len(missing)} test(s) skipped for a missing service while LOWTIDE_REQUIRE_SERVICES=1", red=True
+        )
+        terminalreporter._session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from datetime import datetime
@@ -34,8 +35,16 @@ app = typer.Typer(
 token_app = typer.Typer(help="Manage API tokens (admin).", no_args_is_help=True)
 app.add_typer(token_app, name="token")
 
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+
+def _console(stderr: bool) -> Console:
+    # Rich falls back to 80 columns when output is not a terminal; ids would then be cut.
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if stream.isatty() or os.environ.get("COLUMNS") else 160
+    return Console(stderr=stderr, highlight=False, width=width)
+
+
+out = _console(False)
+err = _console(True)
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 
 
@@ -384,11 +393,12 @@ def show(job: Annotated[str, typer.Argument(help="Job id.")], as_json: JsonOpt =
             )
         out.print(att)
     if d["checkpoints"]:
+        number = {a["id"]: a["number"] for a in d["attempts"]}
         ck = Table("STEP", "ATTEMPT", "CHECKPOINT", "PROGRESS", "SOURCE", "AT", title="checkpoints")
         for c in d["checkpoints"]:
             ck.add_row(
                 c["step"],
-                str(c["attempt_id"]),
+                str(number.get(c["attempt_id"], c["attempt_id"])),
                 c["label"],
                 c["progress"] or "-",
                 c["source"],

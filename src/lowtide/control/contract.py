@@ -15,19 +15,13 @@ from typing import Any
 from lowtide.domain.gpus import cuda_visible_devices
 from lowtide.domain.layout import is_remote, join_uri
 from lowtide.domain.spec import ResolvedStep
+from lowtide.domain.spec_parse import param_text
 
 _ENV_UNSAFE = re.compile(r"[^A-Za-z0-9_]")
 
 
 def param_env_name(name: str) -> str:
     return "LOWTIDE_PARAM_" + _ENV_UNSAFE.sub("_", name).upper()
-
-
-def param_env_value(value: Any) -> str:
-    """How a parameter value appears as text: strings as is, booleans lowercase, others as JSON."""
-    if isinstance(value, str):
-        return value
-    return json.dumps(value)
 
 
 def resume_uri(checkpoint_dir: str, label: str) -> str:
@@ -69,7 +63,7 @@ def step_environment(
         }
     )
     for name, value in params.items():
-        env[param_env_name(name)] = param_env_value(value)
+        env[param_env_name(name)] = param_text(value)
     if resolved.checkpoint_dir is not None:
         env["LOWTIDE_CHECKPOINT_DIR"] = resolved.checkpoint_dir
         if last_checkpoint:

@@ -35,7 +35,7 @@ from lowtide.control.ports import ArtifactPort, StorePort
 from lowtide.control.records import AttemptLaunch, ExitContext, GpuBusy, NoticeDue, StaleState
 from lowtide.domain.gpus import Node
 from lowtide.domain.layout import ArtifactLayout, is_remote, join_uri
-from lowtide.domain.states import StepState
+from lowtide.domain.states import AttemptState, StepState
 from lowtide.policy.dag import advance
 from lowtide.policy.outcomes import (
     ExitDecision,
@@ -228,6 +228,7 @@ class ControlLoop:
         for _ in range(3):
             decision = classify_exit(
                 step_state=ctx.step_state,
+                noticed=ctx.attempt_state == AttemptState.STOPPING,
                 exit_code=ex.exit_code,
                 signal=ex.signal,
                 killed_at_deadline=ex.killed_at_deadline,

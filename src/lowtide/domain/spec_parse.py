@@ -457,7 +457,16 @@ def _check_params(value: object, prefix: str, issues: _Issues, *, allow_null: bo
         issues.add(loc, f"must be a mapping of parameter names to values, got {_kind(value)}")
         return {}
     out: dict[str, Any] = {}
+    env_names: dict[str, str] = {}
     for name, item in value.items():
+        if isinstance(name, str) and name.upper() in env_names:
+            issues.add(
+                f"{loc}.{name}",
+                f"clashes with '{env_names[name.upper()]}': both would be LOWTIDE_PARAM_{name.upper()}",
+            )
+            continue
+        if isinstance(name, str):
+            env_names[name.upper()] = name
         if not isinstance(name, str) or not _IDENT_RE.fullmatch(name):
             issues.add(
                 f"{loc}.{name}",
@@ -933,7 +942,8 @@ def _load_template(
 # --------------------------------------------------------------------------- rendering and DAG
 
 
-def _param_text(value: object) -> str:
+def param_text(value: object) -> str:
+    """A parameter as text, the same in a rendered command and in LOWTIDE_PARAM_<NAME>."""
     if isinstance(value, str):
         return value
     if isinstance(value, bool):
@@ -963,7 +973,7 @@ def render_step(spec: JobSpec, step: StepSpec, *, job_id: str, layout: ArtifactL
         if inner == "step.name":
             return step.name
         if inner.startswith("params.") and inner.removeprefix("params.") in spec.params:
-            return _param_text(spec.params[inner.removeprefix("params.")])
+            return param_text(spec.params[inner.removeprefix("params.")])
         if inner.startswith("inputs."):
             name = inner.removeprefix("inputs.")
             inputs.setdefault(name, layout.outputs(job_id, name))

@@ -5,7 +5,8 @@ that was not asked to stop is a failure: retried with exponential backoff while 
 FAILED after. A step that was asked to stop because its job was cancelled ends CANCELLED whatever
 its exit. A preempted step (given notice to return GPUs) that exits non-zero or is killed is
 PREEMPTED: requeued without backoff and without using a retry. An attempt lost while the control
-plane was down is requeued without using a retry (it is not the step's fault).
+plane was down is requeued without using a retry (it is not the step's fault). An attempt that
+ends before its notice went out ended on its own: its exit code decides (`noticed=False`).
 Neighbours: the loop classifies each exit with `classify_exit` and hands the decision to the store.
 Must not: read the clock (`now` is passed in) or touch the store.
 """
@@ -51,6 +52,7 @@ def describe_exit(exit_code: int | None, signal: int | None, killed_at_deadline:
 def classify_exit(
     *,
     step_state: StepState,
+    noticed: bool = False,
     exit_code: int | None,
     signal: int | None,
     killed_at_deadline: bool,
@@ -61,12 +63,15 @@ def classify_exit(
 ) -> ExitDecision:
     how = describe_exit(exit_code, signal, killed_at_deadline)
     ok = exit_code == 0 and not killed_at_deadline
+    # Without notice the process ended on its own: its exit says succeeded or failed, even if a
+    # stop was requested in the meantime. Only an exit after notice counts as "interrupted".
+    stopped = AttemptState.INTERRUPTED if noticed else AttemptState.FAILED
 
     if step_state == StepState.CANCELLING:
-        attempt = AttemptState.SUCCEEDED if ok else AttemptState.INTERRUPTED
+        attempt = AttemptState.SUCCEEDED if ok else stopped
         return ExitDecision(attempt, StepState.CANCELLED, retries_used, 0.0, f"cancelled ({how})")
 
-    if step_state == StepState.PREEMPTING:
+    if step_state == StepState.PREEMPTING and noticed:
         if ok:
             return ExitDecision(
                 AttemptState.SUCCEEDED,

@@ -9,8 +9,10 @@ Must not: decide anything (retries, DAG progress and placement are policy) or re
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import secrets
+import threading
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -82,6 +84,12 @@ def hash_token(raw: str) -> str:
 class Store:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        # SQLite has one writer at a time, and a writer that finds the lock taken polls for it
+        # with growing sleeps (up to 100 ms each) until busy_timeout; this process's writers
+        # queue on a mutex instead, so the next one starts the moment the lock is free.
+        self._write_lock: contextlib.AbstractContextManager[Any] = (
+            threading.RLock() if engine.dialect.name == "sqlite" else contextlib.nullcontext()
+        )
 
     @classmethod
     def open(cls, url: str, *, migrate_schema: bool = True) -> Store:
@@ -95,7 +103,7 @@ class Store:
 
     @contextmanager
     def _write(self) -> Iterator[Connection]:
-        with self.engine.begin() as conn:
+        with self._write_lock, self.engine.begin() as conn:
             yield conn
 
     @contextmanager

@@ -1,0 +1,5 @@
+"""`python -m lowtide` is the `lowtide` command."""
+
+from lowtide.cli.main import app
+
+app(prog_name="lowtide")

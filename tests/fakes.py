@@ -1,0 +1,91 @@
+"""Fake ports for driving the real control loop deterministically (fake clock, no processes).
+
+`FakeExecutor` implements the executor port in memory: the test decides when an attempt ends
+and with which exit code; a stop past its deadline is a kill, as with the real executor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lowtide.control.executor_port import (
+    AdoptOutcome,
+    AdoptRequest,
+    AdoptResult,
+    AttemptExit,
+    LaunchRequest,
+    ProcessIdentity,
+)
+
+
+@dataclass
+class FakeProcess:
+    request: LaunchRequest
+    started_at: float
+    deadline: float | None = None
+    noticed_at: float | None = None
+
+
+@dataclass
+class FakeExecutor:
+    running: dict[int, FakeProcess] = field(default_factory=dict)
+    pending_exits: dict[int, int] = field(default_factory=dict)
+    launched: list[LaunchRequest] = field(default_factory=list)
+    notices: list[tuple[int, float]] = field(default_factory=list)
+
+    def launch(self, request: LaunchRequest, now: float) -> ProcessIdentity:
+        self.running[request.attempt_id] = FakeProcess(request, now)
+        self.launched.append(request)
+        return ProcessIdentity(pid=100_000 + request.attempt_id, started_at=now)
+
+    def notify_stop(self, attempt_id: int, deadline: float, now: float) -> None:
+        proc = self.running[attempt_id]
+        if proc.deadline is None:
+            proc.deadline, proc.noticed_at = deadline, now
+            self.notices.append((attempt_id, now))
+
+    def finish(self, attempt_id: int, exit_code: int) -> None:
+        """The process exits with `exit_code`; the next poll reports it."""
+        if attempt_id in self.running:
+            self.pending_exits[attempt_id] = exit_code
+
+    def poll(self, now: float) -> list[AttemptExit]:
+        out = []
+        for attempt_id, proc in list(self.running.items()):
+            if attempt_id in self.pending_exits:
+                out.append(AttemptExit(attempt_id, self.pending_exits.pop(attempt_id), None, now))
+                del self.running[attempt_id]
+            elif proc.deadline is not None and now >= proc.deadline:
+                out.append(AttemptExit(attempt_id, None, 9, now, killed_at_deadline=True))
+                del self.running[attempt_id]
+        return out
+
+    def adopt(self, request: AdoptRequest, now: float) -> AdoptResult:
+        if request.attempt_id in self.running:
+            return AdoptResult(AdoptOutcome.ADOPTED)
+        return AdoptResult(AdoptOutcome.LOST)
+
+    def reap_orphans(self, known_attempt_ids: set[int]) -> list[int]:
+        orphans = [a for a in self.running if a not in known_attempt_ids]
+        for a in orphans:
+            del self.running[a]
+        return orphans
+
+    def close(self) -> None:
+        pass
+
+
+class MemoryArtifacts:
+    """The artifact port over a dict: `files[uri] = text`."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, str] = {}
+
+    def ensure_dir(self, uri: str) -> None:
+        pass
+
+    def read_text(self, uri: str, *, max_bytes: int) -> str | None:
+        text = self.files.get(uri)
+        if text is not None and len(text.encode()) > max_bytes:
+            raise ValueError("too large")
+        return text

@@ -1,0 +1,240 @@
+"""End to end, as a user does it: `lowtide up` as a real server process, the `lowtide` CLI as real
+commands, real step processes; then `kill -9` of the control plane in the middle of a job."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+import yaml
+
+from support import wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+DAG = REPO / "examples" / "jobs" / "sft-dag.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    root: Path
+    config: Path
+    port: int
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def token_file(self) -> Path:
+        return self.root / "state" / "admin.token"
+
+    def start(self) -> None:
+        log = (self.root / "server.log").open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lowtide", "--config", str(self.config), "up"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=self.root,
+        )
+        wait_until(self._healthy, timeout=30, what="lowtide up to answer /healthz")
+
+    def _healthy(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError("server exited:\n" + (self.root / "server.log").read_text())
+        try:
+            return httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def cli(
+        self, *args: str, token: str | None = None, check: bool = False
+    ) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "LOWTIDE_CONFIG": str(self.config), "COLUMNS": "200"}
+        if token is not None:
+            env["LOWTIDE_TOKEN"] = token
+        result = subprocess.run(
+            [sys.executable, "-m", "lowtide", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=REPO,
+            timeout=120,
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(f"lowtide {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
+        return result
+
+    def json(self, *args: str) -> Any:
+        return json.loads(self.cli(*args, "--json", check=True).stdout)
+
+
+def shims_of(instance_hint: Path) -> list[psutil.Process]:
+    """Step shims whose work directory lies under this test's state (our processes only)."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "lowtide.adapters.step_shim" in cmd and any(str(instance_hint) in part for part in cmd):
+            found.append(p)
+    return found
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    config = tmp_path / "lowtide.yaml"
+    port = free_port()
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "state_dir": "state",
+                "templates_dir": str(REPO / "examples" / "templates"),
+                "tick_seconds": 0.2,
+                "nodes": [{"name": "node-a", "gpus": 4}, {"name": "node-b", "gpus": 2}],
+                "api": {"port": port},
+                "executor": {"checkpoint_poll": 0.2},
+            }
+        )
+    )
+    srv = Server(tmp_path, config, port)
+    srv.start()
+    yield srv
+    srv.stop()
+    for p in shims_of(tmp_path):
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_the_admin_token_is_created_once_with_mode_0600(server: Server) -> None:
+    assert server.token_file.stat().st_mode & 0o777 == 0o600
+    who = server.json("token", "list")
+    assert [(t["name"], t["role"]) for t in who] == [("admin", "admin")]
+
+
+def test_validate_accepts_a_good_spec_and_rejects_broken_ones_with_located_errors(
+    server: Server, tmp_path: Path
+) -> None:
+    ok = server.cli("validate", str(DAG))
+    assert ok.returncode == 0 and "OK" in ok.stdout
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(
+        "name: Bad_Name\nsteps:\n  - name: a\n    command: [x]\n    depends: [b]\n    gpus: 9\n"
+        "  - name: b\n    command: [x]\n    depends: [a]\n    colour: red\n"
+    )
+    r = server.cli("validate", str(broken))
+    assert r.returncode == 2
+    for expected in ("name:", "steps[0].gpus:", "steps[1].colour:", "dependency cycle a -> b -> a"):
+        assert expected in r.stderr, r.stderr
+    r = server.cli("validate", str(tmp_path / "missing.yaml"))
+    assert r.returncode == 2 and "cannot read" in r.stderr
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text('{"name": "x", "steps": [}')
+    r = server.cli("validate", str(bad_json), "--json")
+    assert r.returncode == 2 and json.loads(r.stdout)["valid"] is False
+
+
+def test_submit_wait_runs_the_example_dag_on_the_right_gpus(server: Server) -> None:
+    r = server.cli("submit", str(DAG), "-p", "steps=60", "--wait", check=True)
+    assert "SUCCEEDED" in r.stdout
+    jobs = server.json("jobs")["jobs"]
+    detail = server.json("show", jobs[0]["id"])
+    assert detail["job"]["state"] == "SUCCEEDED"
+    attempts = {a["step"]: a for a in detail["attempts"]}
+    assert attempts["train"]["gpus"] == [0, 1] and attempts["train"]["node"] == "node-b"  # best fit: 2 of 2
+    assert attempts["eval"]["gpus"] == [0]
+    log = server.cli("logs", jobs[0]["id"], "train", check=True).stdout
+    assert "train: GPUs [0,1]" in log and "done after 60 steps" in log
+    shown = server.cli("show", jobs[0]["id"], check=True).stdout
+    assert "SUCCEEDED" in shown and "train" in shown
+    pool = server.json("pool")
+    assert (pool["total"], pool["free"]) == (6, 6)
+
+
+def test_bad_requests_from_the_cli_exit_2_with_the_reason(server: Server, tmp_path: Path) -> None:
+    spec = tmp_path / "cycle.yaml"
+    spec.write_text(
+        yaml.safe_dump({"name": "c", "steps": [{"name": "a", "command": ["x"], "depends": ["a"]}]})
+    )
+    r = server.cli("submit", str(spec))
+    assert r.returncode == 2 and "steps[0].depends" in r.stderr
+    assert server.json("jobs")["jobs"] == []
+    r = server.cli("jobs", token="lt_not-a-token")
+    assert r.returncode == 2 and "unknown or revoked token" in r.stderr
+    alice = server.json("token", "create", "alice")["token"]
+    theirs = json.loads(server.cli("submit", str(DAG), "-p", "steps=2000", "--json", check=True).stdout)["id"]
+    r = server.cli("cancel", theirs, token=alice)
+    assert r.returncode == 2 and "belongs to admin" in r.stderr
+    assert server.cli("cancel", theirs, check=True).returncode == 0
+    r = server.cli("show", "job-000000000000")
+    assert r.returncode == 2 and "not found" in r.stderr
+    server.stop()
+    r = server.cli("jobs")
+    assert r.returncode == 1 and "cannot reach lowtide" in r.stderr
+
+
+def test_kill_9_of_the_control_plane_loses_no_job_and_leaves_no_orphan(
+    server: Server, tmp_path: Path
+) -> None:
+    job = json.loads(server.cli("submit", str(DAG), "-p", "steps=250", "--json", check=True).stdout)["id"]
+    queued = json.loads(server.cli("submit", str(DAG), "-p", "steps=20", "--json", check=True).stdout)["id"]
+
+    def train_running() -> dict[str, Any] | None:
+        d = server.json("show", job)
+        att = [a for a in d["attempts"] if a["step"] == "train" and a["state"] == "RUNNING"]
+        return att[0] if att and att[0]["pid"] else None
+
+    train = wait_until(train_running, timeout=60, what="train to run")
+    server.kill9()
+    assert psutil.pid_exists(train["pid"]), "the step died with the control plane"
+
+    server.start()
+    final = wait_until(
+        lambda: (d := server.json("show", job))["job"]["state"] in ("SUCCEEDED", "FAILED") and d,
+        timeout=120,
+        what="the job to finish after the restart",
+    )
+    assert final["job"]["state"] == "SUCCEEDED"
+    trains = [a for a in final["attempts"] if a["step"] == "train"]
+    assert len(trains) == 1 and trains[0]["id"] == train["id"], "the running step was not re-adopted"
+    wait_until(
+        lambda: server.json("show", queued)["job"]["state"] == "SUCCEEDED",
+        timeout=120,
+        what="the other job to finish",
+    )
+    assert len(server.json("jobs")["jobs"]) == 2
+    wait_until(lambda: not shims_of(tmp_path), timeout=10, what="no step process left")
+    assert (
+        not psutil.pid_exists(train["pid"]) or psutil.Process(train["pid"]).status() == psutil.STATUS_ZOMBIE
+    )
