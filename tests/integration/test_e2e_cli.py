@@ -3,6 +3,7 @@ commands, real step processes; then `kill -9` of the control plane in the middle
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -86,6 +87,7 @@ class Server:
             env["LOWTIDE_TOKEN"] = token
         result = subprocess.run(
             [sys.executable, "-m", "lowtide", *args],
+            check=False,
             capture_output=True,
             text=True,
             env=env,
@@ -131,10 +133,8 @@ def server(tmp_path: Path) -> Iterator[Server]:
     yield srv
     srv.stop()
     for p in shims_of(tmp_path):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def test_the_admin_token_is_created_once_with_mode_0600(server: Server) -> None:
