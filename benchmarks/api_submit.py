@@ -310,7 +310,11 @@ def run_backend(
                 raise RuntimeError(f"warm-up failed: {warm.errors[0]}")
         if args.profile_server:
             profile = start_py_spy(server, workdir / f"profile-{backend}.txt")
+        server_cpu0 = _cpu_seconds(psutil.Process(server.proc.pid))
+        client_cpu0 = time.process_time()
         load, wall = submit_all(server.url, server.token, args.warmup, args.jobs, args.concurrency)
+        client_cpu = time.process_time() - client_cpu0
+        server_cpu = _cpu_seconds(psutil.Process(server.proc.pid)) - server_cpu0
         if args.profile_server:
             stop_py_spy(profile)
         with httpx.Client(
@@ -337,6 +341,8 @@ def run_backend(
                     "mean": round(statistics.fmean(lat), 2) if lat else None,
                     "max": round(lat[-1], 2) if lat else None,
                 },
+                # CPU seconds used during the measured phase; the client shares the machine.
+                "cpu_s": {"server": round(server_cpu, 2), "client": round(client_cpu, 2)},
                 "jobs_running_at_end": len(running),
                 "queued_jobs_metric": _metric(stored, 'lowtide_jobs{state="QUEUED"}'),
             }
@@ -356,6 +362,11 @@ def run_backend(
     return result
 
 
+def _cpu_seconds(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return float(t.user + t.system)
+
+
 def _metric(text: str, name: str) -> float | None:
     for line in text.splitlines():
         if line.startswith(name + " "):
@@ -370,7 +381,7 @@ def _redact(url: str) -> str:
 def start_py_spy(server: Server, out: Path) -> subprocess.Popen[bytes]:
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     proc = subprocess.Popen(
-        [spy, "record", "--pid", str(server.proc.pid), "--threads", "--rate", "200", "-o", str(out)]
+        [spy, "record", "--pid", str(server.proc.pid), "--threads", "--gil", "--rate", "200", "-o", str(out)]
         + (["--format", "raw"] if out.suffix == ".txt" else []),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

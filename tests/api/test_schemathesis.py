@@ -66,6 +66,7 @@ class Real:
     """Values of path parameters that name real data; filled by the `seeded` fixture."""
 
     values: dict[str, Any] = field(default_factory=dict)
+    admin_token_id: int | None = None
 
 
 REAL = Real()
@@ -83,13 +84,22 @@ schema = schemathesis.openapi.from_asgi(
 
 
 @schema.hook
-def flatmap_path_parameters(_ctx: Any, path_parameters: dict[str, Any]) -> st.SearchStrategy[dict[str, Any]]:
-    """Half of the time, each path parameter names real data instead of the generated value."""
-    keys = sorted(k for k in path_parameters if k in REAL.values)
-    if not keys:
+def flatmap_path_parameters(
+    _ctx: Any, path_parameters: dict[str, Any] | None
+) -> st.SearchStrategy[dict[str, Any] | None]:
+    """Half of the time, each path parameter names real data instead of the generated value.
+
+    The fuzzer never revokes its own token: a generated token id that happens to be the admin's
+    becomes the spare token's.
+    """
+    if not path_parameters or not REAL.values:
         return st.just(path_parameters)
+    generated = dict(path_parameters)
+    if generated.get("token_id") == REAL.admin_token_id:
+        generated["token_id"] = REAL.values["token_id"]
+    keys = sorted(k for k in generated if k in REAL.values)
     return st.fixed_dictionaries({k: st.booleans() for k in keys}).map(
-        lambda pick: {k: (REAL.values[k] if pick.get(k) else v) for k, v in path_parameters.items()}
+        lambda pick: {k: (REAL.values[k] if pick.get(k) else v) for k, v in generated.items()}
     )
 
 
@@ -110,7 +120,7 @@ class Seeded:
 def seeded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seeded]:
     lt = embedded(tmp_path_factory.mktemp("schemathesis"))
     now = lt.clock.now()
-    _, admin = lt.store.create_token(name="fuzzer", owner="fuzzer", role="admin", now=now)
+    admin_record, admin = lt.store.create_token(name="fuzzer", owner="fuzzer", role="admin", now=now)
     # A token the fuzzer may revoke (DELETE /v1/tokens/{id}) without losing its own.
     spare, _ = lt.store.create_token(name="spare", owner="spare", role="user", now=now)
     r = TestClient(lt.app).post(
@@ -124,8 +134,9 @@ def seeded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seeded]:
     tick_until(lt, lambda: lt.store.job(job_id).state == JobState.SUCCEEDED, what="the seed job")
     assert not lt.store.active_attempts()  # so ?follow=true can never wait on a running attempt
     REAL.values = {"job_id": job_id, "step": "hello", "token_id": spare.id}
+    REAL.admin_token_id = admin_record.id
     yield Seeded(lt, admin, job_id, "hello", spare.id)
-    REAL.values = {}
+    REAL.values, REAL.admin_token_id = {}, None
     lt.executor.close()
     lt.store.close()
 
@@ -170,3 +181,15 @@ def test_the_real_path_parameters_name_existing_data(seeded: Seeded) -> None:
     r = client.get(f"/v1/jobs/{seeded.job_id}/steps/{seeded.step}/logs?follow=true", headers=seeded.headers)
     assert r.status_code == 200 and "hello" in r.text.splitlines()
     assert seeded.token_id in {t.id for t in seeded.lt.store.list_tokens()}
+
+
+import collections, atexit
+_SEEN: collections.Counter[tuple[str, int]] = collections.Counter()
+
+
+@schema.hook
+def after_call(ctx: Any, case: Any, response: Any) -> None:
+    _SEEN[(case.operation.label, case.meta.phase.name.value if case.meta else "?", response.status_code)] += 1
+
+
+atexit.register(lambda: print("\n".join(f"{k} {v}" for k, v in sorted(_SEEN.items()))))
