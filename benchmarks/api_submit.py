@@ -145,7 +145,7 @@ class Server:
     log_path: Path
 
 
-def start_server(workdir: Path, store_url: str | None, lowtide: Path, env_extra: dict[str, str]) -> Server:
+def start_server(workdir: Path, store_url: str | None, lowtide: Path) -> Server:
     port = free_port()
     config: dict[str, Any] = {
         "state_dir": "state",
@@ -161,7 +161,7 @@ def start_server(workdir: Path, store_url: str | None, lowtide: Path, env_extra:
     env = {
         k: v for k, v in os.environ.items() if not k.startswith("LOWTIDE_") or k == "LOWTIDE_REQUIRE_SERVICES"
     }
-    env.update({"LOWTIDE_CONFIG": str(cfg), MARKER_ENV: marker, **env_extra})
+    env.update({"LOWTIDE_CONFIG": str(cfg), MARKER_ENV: marker})
     log_path = workdir / "server.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
@@ -303,18 +303,20 @@ def run_backend(
     server: Server | None = None
     result: dict[str, Any] = {"backend": backend}
     try:
-        server = start_server(workdir, store_url, lowtide, {})
+        server = start_server(workdir, store_url, lowtide)
         if args.warmup:
             warm, _ = submit_all(server.url, server.token, 0, args.warmup, args.concurrency)
             if warm.errors:
                 raise RuntimeError(f"warm-up failed: {warm.errors[0]}")
         if args.profile_server:
-            profile = start_py_spy(server, workdir / f"profile-{backend}.txt")
+            profile = start_py_spy(server, args.out.parent / f"profile-{backend}.txt")
+        ticks0 = _loop_ticks(server)
         server_cpu0 = _cpu_seconds(psutil.Process(server.proc.pid))
         client_cpu0 = time.process_time()
         load, wall = submit_all(server.url, server.token, args.warmup, args.jobs, args.concurrency)
         client_cpu = time.process_time() - client_cpu0
         server_cpu = _cpu_seconds(psutil.Process(server.proc.pid)) - server_cpu0
+        ticks = _loop_ticks(server) - ticks0
         if args.profile_server:
             stop_py_spy(profile)
         with httpx.Client(
@@ -343,6 +345,8 @@ def run_backend(
                 },
                 # CPU seconds used during the measured phase; the client shares the machine.
                 "cpu_s": {"server": round(server_cpu, 2), "client": round(client_cpu, 2)},
+                # Control-loop ticks during the measured phase (each submit wakes the loop).
+                "loop_ticks": ticks,
                 "jobs_running_at_end": len(running),
                 "queued_jobs_metric": _metric(stored, 'lowtide_jobs{state="QUEUED"}'),
             }
@@ -360,6 +364,11 @@ def run_backend(
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
     return result
+
+
+def _loop_ticks(server: Server) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    return _metric(text, "lowtide_loop_ticks") or 0.0
 
 
 def _cpu_seconds(proc: psutil.Process) -> float:
@@ -412,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile-server",
         action="store_true",
-        help="record the server with py-spy during the measured phase (needs py-spy; kept with --keep)",
+        help="record the server (threads holding the GIL) with py-spy during the measured phase, as "
+        "collapsed stacks in profile-<backend>.txt beside --out (pip install py-spy into the venv)",
     )
     args = parser.parse_args(argv)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -426,27 +436,35 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     notes: list[str] = []
     for backend in backends:
-        if backend == "sqlite":
-            results.append(run_backend("sqlite", None, args, lowtide))
-            continue
-        url, name_or_note = create_pg_database(args.pg_url)
-        if url is None:
-            print(f"note: {name_or_note}; skipping the postgresql backend")
-            notes.append(name_or_note)
-            continue
+        url: str | None = None
+        database = ""
+        if backend == "postgresql":
+            url, database = create_pg_database(args.pg_url)
+            if url is None:
+                print(f"note: {database}; skipping the postgresql backend")
+                notes.append(database)
+                continue
         try:
-            results.append(run_backend("postgresql", url, args, lowtide))
+            results.append(run_backend(backend, url, args, lowtide))
+        except Exception as exc:  # one backend failing still reports the others
+            print(f"error: the {backend} run failed: {exc}")
+            results.append({"backend": backend, "failed": str(exc)})
         finally:
-            drop_pg_database(args.pg_url, name_or_note)
+            if url is not None:
+                drop_pg_database(args.pg_url, database)
 
-    header = f"{'backend':<11} {'jobs':>6} {'errors':>6} {'wall s':>8} {'subs/s':>8} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8}"
+    columns = ("jobs", "errors", "wall s", "subs/s", "p50 ms", "p95 ms", "p99 ms")
+    header = f"{'backend':<11} " + " ".join(f"{c:>8}" for c in columns)
     print(f"\nPOST /v1/jobs, {args.concurrency} concurrent clients, {NODES}x{GPUS_PER_NODE} GPUs, auth on")
     print(header)
     print("-" * len(header))
     for r in results:
+        if "failed" in r:
+            print(f"{r['backend']:<11} failed: {r['failed'].splitlines()[0]}")
+            continue
         lat = r["latency_ms"]
         print(
-            f"{r['backend']:<11} {r['submitted']:>6} {r['errors']:>6} {r['wall_s']:>8.2f} "
+            f"{r['backend']:<11} {r['submitted']:>8} {r['errors']:>8} {r['wall_s']:>8.2f} "
             f"{r['submissions_per_s']:>8.1f} {lat['p50']:>8.1f} {lat['p95']:>8.1f} {lat['p99']:>8.1f}"
         )
         if r["error_samples"]:
@@ -478,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(output, indent=2) + "\n")
     print(f"wrote {args.out}")
-    failed = any(r.get("cleanup", {}).get("processes_left") for r in results)
+    failed = any("failed" in r or r.get("cleanup", {}).get("processes_left") for r in results)
     return 1 if failed else 0
 
 

@@ -93,9 +93,12 @@ def build(settings: Settings, *, clock: Clock | None = None) -> Embedded:
     state = Path(settings.state_dir)
     state.mkdir(parents=True, exist_ok=True, mode=0o700)
     nodes = resolve_nodes(settings)
-    store = Store.open(settings.database_url)
     artifacts = FsspecArtifacts(settings.artifacts, settings.artifact_options)
-    artifacts.check()
+    try:
+        artifacts.check()  # before the store opens: nothing to close when it fails
+    except Exception as exc:  # OSError, botocore's, gcsfs'...: say which setting, and why
+        raise ConfigError(f"artifact_root {settings.artifacts}: cannot be used: {exc}") from exc
+    store = Store.open(settings.database_url)
     runtime = None if settings.executor.runtime == "process" else resolve_runtime(settings.executor.runtime)
     executor = LocalExecutor(store.instance_id(), runtime=runtime)
     layout = ArtifactLayout(artifact_root=settings.artifacts, work_root=settings.work_root)

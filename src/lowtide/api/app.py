@@ -7,6 +7,7 @@ cancel. Must not: start, stop or signal processes (the loop does, through its ex
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
+from fastapi import Path as PathParam
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from lowtide import __version__
@@ -22,7 +24,7 @@ from lowtide.api.auth import Principal, authenticate, require_admin, require_own
 from lowtide.api.errors import ApiError, install_error_handlers
 from lowtide.api.metrics import LoopStatus, metrics_text
 from lowtide.control.clock import Clock
-from lowtide.control.records import NewJob, NotFound
+from lowtide.control.records import JobRecord, NewJob, NotFound
 from lowtide.domain.gpus import Node
 from lowtide.domain.ids import new_job_id
 from lowtide.domain.layout import ArtifactLayout
@@ -50,6 +52,8 @@ SPEC_TYPES = {
     "text/plain": "auto",
     "application/octet-stream": "auto",
 }
+#: Ids are positive INTEGER columns (32-bit in PostgreSQL): any other id names nothing, and is refused (422).
+MAX_ID = 2**31 - 1
 _SPEC_BODY = {
     "requestBody": {
         "required": True,
@@ -116,6 +120,19 @@ async def _spec_body(request: Request) -> tuple[bytes, str]:
     return b"".join(chunks), fmt
 
 
+async def _no_nul(request: Request) -> None:
+    """Path and query values never hold NUL (PostgreSQL text cannot): a located 422, not a 500."""
+    where = [f"path.{k}" for k, v in request.path_params.items() if "\x00" in str(v)]
+    where += [f"query.{k}" for k, v in request.query_params.multi_items() if "\x00" in v]
+    if where:
+        raise ApiError(
+            422,
+            "invalid_request",
+            "the request is not valid",
+            [(loc, "contains a NUL character") for loc in where],
+        )
+
+
 Who = Annotated[Principal, Depends(_principal)]
 Params = Annotated[list[str] | None, Query(description="parameter override, k=v (repeatable)")]
 Body = Annotated[tuple[bytes, str], Depends(_spec_body)]
@@ -134,7 +151,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
     )
     install_error_handlers(app)
     app.state.ctx = ctx
-    v1 = APIRouter(prefix="/v1")
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_no_nul)])
 
     # -- jobs ----------------------------------------------------------------------------------
 
@@ -172,9 +189,9 @@ def create_app(ctx: ApiContext) -> FastAPI:
         require_people(who)
         data, fmt = body
         spec = _parse(data, fmt, param)
-        job_id = _create(spec, data.decode("utf-8"), who.name, rerun_of=None)
-        response.headers["Location"] = f"/v1/jobs/{job_id}"
-        return schemas.job_out(ctx.store.job(job_id))
+        job = _create(spec, data.decode("utf-8"), who.name, rerun_of=None)
+        response.headers["Location"] = f"/v1/jobs/{job.id}"
+        return schemas.job_out(job)
 
     @v1.post(
         "/jobs/validate",
@@ -188,10 +205,10 @@ def create_app(ctx: ApiContext) -> FastAPI:
         data, fmt = body
         return schemas.DryRunOut(valid=True, spec=_parse(data, fmt, param).to_document())
 
-    def _create(spec: JobSpec, source: str, owner: str, rerun_of: str | None) -> str:
+    def _create(spec: JobSpec, source: str, owner: str, rerun_of: str | None) -> JobRecord:
         job_id = new_job_id()
         resolved = tuple(render_step(spec, s, job_id=job_id, layout=ctx.layout) for s in spec.steps)
-        ctx.store.create_job(
+        job = ctx.store.create_job(
             NewJob(
                 id=job_id,
                 spec=spec,
@@ -203,7 +220,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
             )
         )
         ctx.on_change()
-        return job_id
+        return job
 
     @v1.get("/jobs", response_model=schemas.JobListOut, summary="List jobs, newest first")
     def list_jobs(
@@ -259,9 +276,9 @@ def create_app(ctx: ApiContext) -> FastAPI:
             spec = build_job_spec(dict(job.spec), max_gpus_per_node=ctx.max_gpus_per_node)
         except SpecInvalid as exc:  # the pool shrank since: say so, located
             raise _spec_error(exc) from exc
-        new_id = _create(spec, job.source_text, who.name, rerun_of=job_id)
-        response.headers["Location"] = f"/v1/jobs/{new_id}"
-        return schemas.job_out(ctx.store.job(new_id))
+        new_job = _create(spec, job.source_text, who.name, rerun_of=job_id)
+        response.headers["Location"] = f"/v1/jobs/{new_job.id}"
+        return schemas.job_out(new_job)
 
     @v1.get(
         "/jobs/{job_id}/steps/{step}/logs",
@@ -385,7 +402,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return schemas.token_out(record, raw)
 
     @v1.delete("/tokens/{token_id}", status_code=204, responses={404: {"model": schemas.ErrorOut}})
-    def revoke_token(who: Who, token_id: int) -> Response:
+    def revoke_token(who: Who, token_id: Annotated[int, PathParam(ge=1, le=MAX_ID)]) -> Response:
         require_admin(who)
         _found(lambda: ctx.store.revoke_token(token_id, ctx.clock.now()))
         return Response(status_code=204)
@@ -446,6 +463,8 @@ def _found(fn: Callable[[], _T]) -> _T:
 def _read_bytes(path: Path, offset: int, limit: int = 1 << 20) -> bytes:
     try:
         with path.open("rb") as fh:
+            if offset >= os.fstat(fh.fileno()).st_size:
+                return b""  # nothing there (yet); seek() fails past the largest offset a file can have
             fh.seek(offset)
             return fh.read(limit)
     except FileNotFoundError:

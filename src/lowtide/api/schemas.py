@@ -170,8 +170,13 @@ class TokenOut(BaseModel):
 
 
 class CheckpointIn(BaseModel):
-    label: str = Field(min_length=1, max_length=1024, description="the checkpoint's name or path")
-    progress: str | None = Field(default=None, max_length=256, description="e.g. 'step 1200'")
+    # No NUL: PostgreSQL text cannot hold it, and the label becomes LOWTIDE_RESUME_FROM.
+    label: str = Field(
+        min_length=1, max_length=1024, pattern=r"^[^\x00]*$", description="the checkpoint's name or path"
+    )
+    progress: str | None = Field(
+        default=None, max_length=256, pattern=r"^[^\x00]*$", description="e.g. 'step 1200'"
+    )
 
 
 class WhoAmIOut(BaseModel):

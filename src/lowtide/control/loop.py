@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -52,6 +53,8 @@ _T = TypeVar("_T")
 
 #: Re-examine every active job's DAG this often (in ticks), besides those touched by events.
 FULL_DAG_SWEEP_TICKS = 30
+#: The shortest time between the end of a tick and a tick that `wake()` brought forward.
+MIN_WAKE_GAP_S = 0.05
 LATEST_MAX_BYTES = 4096
 
 
@@ -204,13 +207,24 @@ class ControlLoop:
         return report
 
     def run(self, stop: threading.Event, tick_seconds: float) -> None:
-        """Tick until `stop` is set; `wake()` makes the next tick come at once."""
+        """Tick until `stop` is set; `wake()` makes the next tick come soon.
+
+        A woken tick waits until at least `MIN_WAKE_GAP_S`, and at least as long as the last
+        tick took, have passed since the last tick ended: a burst of wakes (every submit wakes
+        the loop) is then planned in a few ticks rather than one tick per wake, and the loop
+        cannot take more than half the time of a process it shares with the API.
+        """
         while not stop.is_set():
+            started = time.monotonic()
             try:
                 self.tick()
             except Exception:
                 log.exception("tick failed; the loop goes on")
+            ended = time.monotonic()
             self._wake.wait(tick_seconds)
+            rest = min(tick_seconds, max(MIN_WAKE_GAP_S, ended - started)) - (time.monotonic() - ended)
+            if rest > 0:
+                stop.wait(rest)
             self._wake.clear()
 
     def wake(self) -> None:

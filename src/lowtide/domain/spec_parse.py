@@ -46,6 +46,8 @@ from lowtide.domain.spec import (
 )
 
 __all__ = [
+    "MAX_GRACE_SECONDS",
+    "MAX_RETRIES",
     "MAX_SPEC_BYTES",
     "NAME_RULE",
     "SpecInvalid",
@@ -62,6 +64,10 @@ __all__ = [
 ]
 
 MAX_SPEC_BYTES = 1024 * 1024
+#: The most retries a job or step may ask for (a count the store can hold, and more than enough).
+MAX_RETRIES = 1000
+#: The longest grace a step may ask for: a stop that may take longer is not a stop.
+MAX_GRACE_SECONDS = 86400.0
 #: A document may expand (through YAML aliases) to at most this many values; an alias-free
 #: document within MAX_SPEC_BYTES never comes close, a "billion laughs" one does.
 _MAX_VALUES = MAX_SPEC_BYTES
@@ -374,6 +380,9 @@ def _check_count(value: object, loc: str, issues: _Issues) -> int | None:
     if value < 0:
         issues.add(loc, f"must be 0 or more, got {value}")
         return None
+    if value > MAX_RETRIES:
+        issues.add(loc, f"must be at most {MAX_RETRIES}, got {value}")
+        return None
     return value
 
 
@@ -395,6 +404,24 @@ def _check_priority(value: object, loc: str, issues: _Issues) -> int | None:
     return None
 
 
+def _check_no_nul(value: object, loc: str, issues: _Issues) -> None:
+    """No string anywhere may hold a NUL character: it cannot reach a process's argv or
+    environment, and PostgreSQL text cannot store it. Escapes such as "\0" can produce one."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            issues.add(loc or DOCUMENT, "contains a NUL character")
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _check_no_nul(item, f"{loc}[{i}]", issues)
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            if isinstance(key, str) and "\x00" in key:
+                issues.add(loc or DOCUMENT, "a key contains a NUL character")
+                continue
+            sub = f"{loc}{key}" if not loc or loc.endswith(": ") else f"{loc}.{key}"
+            _check_no_nul(item, sub, issues)
+
+
 def _check_seconds(value: object, loc: str, issues: _Issues) -> float | None:
     if not isinstance(value, int | float) or isinstance(value, bool):
         issues.add(loc, f"must be a number of seconds, got {_kind(value)}")
@@ -404,6 +431,9 @@ def _check_seconds(value: object, loc: str, issues: _Issues) -> float | None:
         return None
     if value < 0:
         issues.add(loc, f"must be 0 or more, got {value}")
+        return None
+    if value > MAX_GRACE_SECONDS:
+        issues.add(loc, f"must be at most {MAX_GRACE_SECONDS:g} seconds (one day), got {value:g}")
         return None
     return float(value)
 
@@ -841,6 +871,8 @@ def build_job_spec(
     if not isinstance(doc, Mapping):
         raise _doc_error(f"the top level must be a mapping, got {_kind(doc)}")
     issues = _Issues()
+    _check_no_nul(doc, "", issues)
+    _check_no_nul(dict(param_overrides or {}), "params", issues)
     _check_keys(doc, _TOP_KEYS, DOCUMENT, issues)
     fields = _scalar_fields(doc, "", issues)
     overrides = dict(param_overrides or {})
@@ -864,6 +896,7 @@ def build_job_spec(
         steps = None
         if template is not None and tdoc is not None:
             prefix = template_prefix(template)
+            _check_no_nul(tdoc, prefix, issues)
             if "use" in tdoc:
                 issues.add(f"{prefix}use", "a template cannot use another template")
             _check_keys(tdoc, _TOP_KEYS, prefix + DOCUMENT, issues)  # 'use' is reported just above

@@ -124,9 +124,12 @@ class Store:
 
     # -- jobs: API side ------------------------------------------------------------------------
 
-    def create_job(self, new: NewJob) -> None:
+    def create_job(self, new: NewJob) -> JobRecord:
+        """Store a new job and its steps; returns the job as stored (no second read)."""
         spec = new.spec
         now = new.submitted_at
+        document = spec.to_document()
+        step_states = [(StepState.PENDING if step.depends else StepState.READY).value for step in spec.steps]
         with self._write() as conn:
             conn.execute(
                 sa.insert(jobs).values(
@@ -140,7 +143,7 @@ class Store:
                     grace_seconds=spec.grace_seconds,
                     template=spec.template,
                     rerun_of=new.rerun_of,
-                    spec=spec.to_document(),
+                    spec=document,
                     source_text=new.source_text,
                     message="",
                 )
@@ -152,7 +155,7 @@ class Store:
                         "job_id": new.id,
                         "name": step.name,
                         "idx": i,
-                        "state": (StepState.PENDING if step.depends else StepState.READY).value,
+                        "state": step_states[i],
                         "gpus": step.gpus,
                         "depends": list(step.depends),
                         "resolved": resolved_to_doc(resolved),
@@ -168,6 +171,28 @@ class Store:
             )
             note = f" (rerun of {new.rerun_of})" if new.rerun_of else ""
             _event(conn, new.id, None, None, now, "submitted", f"submitted by {new.owner}{note}")
+        counts: dict[str, int] = {}
+        for state in sorted(step_states):
+            counts[state] = counts.get(state, 0) + 1
+        return JobRecord(
+            id=new.id,
+            name=spec.name,
+            team=spec.team,
+            owner=new.owner,
+            priority=spec.priority,
+            state=JobState.QUEUED,
+            submitted_at=now,
+            started_at=None,
+            finished_at=None,
+            cancel_requested_at=None,
+            grace_seconds=spec.grace_seconds,
+            template=spec.template,
+            rerun_of=new.rerun_of,
+            spec=document,
+            source_text=new.source_text,
+            message="",
+            step_states=counts,
+        )
 
     def list_jobs(
         self,
