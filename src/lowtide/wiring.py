@@ -8,11 +8,14 @@ rules; it only connects parts.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from fastapi import FastAPI
 
@@ -132,6 +135,7 @@ def build(settings: Settings, *, clock: Clock | None = None) -> Embedded:
         layout=layout,
         templates=DirectoryTemplates(templates_dir) if templates_dir.is_dir() else None,
         auth_enabled=settings.auth.enabled,
+        container_runtime=runtime.engine if runtime else None,
         on_change=loop.wake,
     )
     app = create_app(ctx)
@@ -140,11 +144,59 @@ def build(settings: Settings, *, clock: Clock | None = None) -> Embedded:
     return embedded
 
 
+class ServeError(RuntimeError):
+    """lowtide cannot start serving: the state dir is in use or the address is taken."""
+
+
+def _lock_state_dir(state: Path) -> TextIO:
+    """Hold an exclusive lock on the state dir for the life of this process: two control planes
+    on one state would both adopt and drive the same steps."""
+    state.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fh = (state / "lowtide.lock").open("a+", encoding="utf-8")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        holder = fh.read().strip() or "unknown"
+        fh.close()
+        raise ServeError(f"another lowtide (pid {holder}) is running on {state}; stop it first") from None
+    fh.seek(0)
+    fh.truncate()
+    fh.write(f"{os.getpid()}\n")
+    fh.flush()
+    return fh
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind the API socket before anything else starts, so a taken port fails fast and clearly."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ServeError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}; set api.port (or pass --port)"
+        ) from exc
+    return sock
+
+
 def serve(settings: Settings, *, announce: bool = True) -> None:
     """Run the embedded control plane until SIGINT/SIGTERM."""
     import uvicorn  # noqa: PLC0415 (only the server needs it)
 
-    lt = build(settings)
+    lock = _lock_state_dir(Path(settings.state_dir))
+    sock = _listen(settings.api.host, settings.api.port)
+    if settings.api.port == 0:  # an ephemeral port: steps and the CLI must learn the real one
+        real = settings.api.model_copy(update={"port": sock.getsockname()[1]})
+        settings = settings.model_copy(update={"api": real})
+    try:
+        lt = build(settings)
+    except Exception:
+        sock.close()
+        lock.close()
+        raise
     if settings.auth.enabled:
         created = ensure_admin_token(lt.store, settings.admin_token_path, lt.clock.now())
         if created and announce:
@@ -163,11 +215,17 @@ def serve(settings: Settings, *, announce: bool = True) -> None:
         target=lt.loop.run, args=(stop, settings.tick_seconds), name="lowtide-loop", daemon=True
     )
     thread.start()
+    server = uvicorn.Server(uvicorn.Config(lt.app, log_level="warning"))
     try:
-        uvicorn.run(lt.app, host=settings.api.host, port=settings.api.port, log_level="warning")
+        server.run(sockets=[sock])
     finally:
         stop.set()
         lt.loop.wake()
         thread.join(timeout=30)
+        running = len(lt.store.active_attempts())
+        if running and announce:
+            log.warning("%d step(s) keep running; the next `lowtide up` re-adopts them", running)
         lt.executor.close()
         lt.store.close()
+        sock.close()
+        lock.close()

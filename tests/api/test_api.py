@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -274,3 +275,27 @@ def test_unknown_routes_and_bad_query_values_are_shaped_errors(api: Api) -> None
     assert r.status_code == 422 and locs(r) == ["query.state[0]"]
     r = api.client.get("/v1/nothing", headers=api.h(api.alice))
     assert r.status_code == 404 and r.json()["error"] == "not_found"
+
+
+def test_with_a_container_runtime_every_step_needs_an_image(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    docker = bindir / "docker"
+    docker.write_text("#!/bin/sh\nexit 0\n")
+    docker.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    lt = embedded(tmp_path, executor={"runtime": "docker"}, auth={"enabled": False})
+    client = TestClient(lt.app)
+    doc = {
+        "name": "c",
+        "steps": [{"name": "a", "command": ["x"]}, {"name": "b", "command": ["x"], "image": "i:1"}],
+    }
+    r = client.post("/v1/jobs", content=yaml.safe_dump(doc), headers={"Content-Type": "application/yaml"})
+    assert r.status_code == 422 and locs(r) == ["steps[0].image"]
+    assert "executor.runtime: docker" in r.json()["errors"][0]["msg"]
+    doc["steps"][0]["image"] = "i:1"
+    r = client.post("/v1/jobs", content=yaml.safe_dump(doc), headers={"Content-Type": "application/yaml"})
+    assert r.status_code == 201
+    lt.store.close()

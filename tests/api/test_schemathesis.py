@@ -40,7 +40,7 @@ from schemathesis.config import SchemathesisConfig
 from lowtide.api.app import MAX_ID, ApiContext, create_app
 from lowtide.control.clock import SystemClock
 from lowtide.domain.layout import ArtifactLayout
-from lowtide.domain.spec_parse import MAX_RETRIES
+from lowtide.domain.spec_issues import MAX_RETRIES
 from lowtide.domain.states import JobState
 from lowtide.store.repo import Store
 from lowtide.wiring import Embedded

@@ -176,10 +176,15 @@ def test_submit_wait_runs_the_example_dag_on_the_right_gpus(server: Server) -> N
     assert attempts["eval"]["gpus"] == [0]
     log = server.cli("logs", jobs[0]["id"], "train", check=True).stdout
     assert "train: GPUs [0,1]" in log and "done after 60 steps" in log
+    followed = server.cli("logs", jobs[0]["id"], "train", "-f", check=True).stdout
+    assert followed == log  # the attempt has ended: follow returns what there is, then stops
     shown = server.cli("show", jobs[0]["id"], check=True).stdout
     assert "SUCCEEDED" in shown and "train" in shown
     pool = server.json("pool")
     assert (pool["total"], pool["free"]) == (6, 6)
+    rerun = server.cli("rerun", jobs[0]["id"], "--wait", check=True)
+    assert "SUCCEEDED" in rerun.stdout
+    assert server.json("jobs")["jobs"][0]["rerun_of"] == jobs[0]["id"]
 
 
 def test_bad_requests_from_the_cli_exit_2_with_the_reason(server: Server, tmp_path: Path) -> None:
@@ -238,3 +243,29 @@ def test_kill_9_of_the_control_plane_loses_no_job_and_leaves_no_orphan(
     assert (
         not psutil.pid_exists(train["pid"]) or psutil.Process(train["pid"]).status() == psutil.STATUS_ZOMBIE
     )
+
+
+def test_a_second_control_plane_on_the_same_state_or_port_refuses_to_start(
+    server: Server, tmp_path: Path
+) -> None:
+    same_state = server.cli("up")
+    assert same_state.returncode == 1 and "another lowtide" in same_state.stderr
+    other = tmp_path / "other.yaml"
+    other.write_text(
+        yaml.safe_dump(
+            {
+                "state_dir": str(tmp_path / "other-state"),
+                "api": {"port": server.port},
+                "nodes": [{"name": "n", "gpus": 1}],
+            }
+        )
+    )
+    taken = subprocess.run(
+        [sys.executable, "-m", "lowtide", "--config", str(other), "up"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert taken.returncode == 1 and f"cannot listen on 127.0.0.1:{server.port}" in taken.stderr
+    assert httpx.get(f"{server.url}/healthz", timeout=2).status_code == 200  # the first one is untouched

@@ -18,7 +18,8 @@ from lowtide.control.loop import ControlLoop, LoopSettings
 from lowtide.control.records import NewJob
 from lowtide.domain.gpus import Node
 from lowtide.domain.layout import ArtifactLayout
-from lowtide.domain.spec_parse import build_job_spec, render_step
+from lowtide.domain.spec_parse import build_job_spec
+from lowtide.domain.spec_render import render_step
 from lowtide.domain.states import ACTIVE_STEP_STATES, TERMINAL_STEP_STATES, JobState, StepState
 from lowtide.policy.fairshare import FairSharePolicy
 from lowtide.policy.outcomes import RetryPolicy

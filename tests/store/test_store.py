@@ -14,7 +14,8 @@ from lowtide.control.executor_port import ProcessIdentity
 from lowtide.control.records import GpuBusy, NewJob, StaleState
 from lowtide.domain.gpus import Node
 from lowtide.domain.layout import ArtifactLayout
-from lowtide.domain.spec_parse import build_job_spec, render_step
+from lowtide.domain.spec_parse import build_job_spec
+from lowtide.domain.spec_render import render_step
 from lowtide.domain.states import AttemptState, IllegalTransition, JobState, StepState
 from lowtide.policy.dag import advance
 from lowtide.policy.outcomes import RetryPolicy, classify_exit

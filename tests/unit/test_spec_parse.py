@@ -17,17 +17,10 @@ import pytest
 from lowtide.adapters.templates import DirectoryTemplates
 from lowtide.domain.layout import ArtifactLayout
 from lowtide.domain.spec import DEFAULT_GRACE_SECONDS, JobSpec, StepSpec
-from lowtide.domain.spec_parse import (
-    MAX_SPEC_BYTES,
-    SpecInvalid,
-    SpecIssue,
-    build_job_spec,
-    parse_document,
-    parse_param_assignment,
-    render_step,
-    topological_order,
-    upstream_of,
-)
+from lowtide.domain.spec_document import MAX_SPEC_BYTES, parse_document
+from lowtide.domain.spec_issues import SpecInvalid, SpecIssue
+from lowtide.domain.spec_parse import build_job_spec
+from lowtide.domain.spec_render import parse_param_assignment, render_step, topological_order, upstream_of
 
 SPECS = Path(__file__).resolve().parents[1] / "fixtures" / "specs"
 TEMPLATES = DirectoryTemplates(SPECS / "templates")

@@ -8,14 +8,10 @@ import pytest
 
 from lowtide.adapters.templates import DirectoryTemplates
 from lowtide.domain.layout import ArtifactLayout
-from lowtide.domain.spec_parse import (
-    MAX_SPEC_BYTES,
-    SpecInvalid,
-    build_job_spec,
-    parse_document,
-    render_step,
-    topological_order,
-)
+from lowtide.domain.spec_document import MAX_SPEC_BYTES, parse_document
+from lowtide.domain.spec_issues import SpecInvalid
+from lowtide.domain.spec_parse import build_job_spec
+from lowtide.domain.spec_render import render_step, topological_order
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = DirectoryTemplates(REPO / "examples" / "templates")

@@ -1,9 +1,9 @@
 """Job templates from a directory: `<dir>/<name>.yaml` (or `.yml`, `.json`) for `use: NAME`.
 
-The only file-reading part of spec handling: `domain.spec_parse` parses and validates, and asks
-a `TemplateLookup` (this class, in production) for template documents. A template name must
-follow the job-name rule, so `../x` or `a/b` can never reach the filesystem (it is simply an
-unknown template). A file that does not parse raises `SpecInvalid` located with
+The only file-reading part of spec handling: `domain.spec_document` parses, `domain.spec_parse`
+validates and asks a `TemplateLookup` (this class, in production) for template documents. A
+template name must follow the job-name rule, so `../x` or `a/b` can never reach the filesystem
+(it is simply an unknown template). A file that does not parse raises `SpecInvalid` located with
 `template 'NAME': `. Must not: validate a template's content (that is `build_job_spec`'s job,
 with the job's params), cache across calls (a new job type is a new file, picked up at once).
 """
@@ -14,14 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from lowtide.domain.spec_parse import (
-    MAX_SPEC_BYTES,
-    SpecInvalid,
-    SpecIssue,
-    is_valid_name,
-    parse_document,
-    template_prefix,
-)
+from lowtide.domain.spec_document import MAX_SPEC_BYTES, parse_document
+from lowtide.domain.spec_issues import SpecInvalid, SpecIssue, is_valid_name, template_prefix
 
 _FORMATS: Mapping[str, Literal["yaml", "json"]] = {".yaml": "yaml", ".yml": "yaml", ".json": "json"}
 

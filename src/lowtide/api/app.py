@@ -29,15 +29,10 @@ from lowtide.domain.gpus import Node
 from lowtide.domain.ids import new_job_id
 from lowtide.domain.layout import ArtifactLayout
 from lowtide.domain.spec import JobSpec
-from lowtide.domain.spec_parse import (
-    MAX_SPEC_BYTES,
-    SpecInvalid,
-    TemplateLookup,
-    build_job_spec,
-    parse_document,
-    parse_param_assignment,
-    render_step,
-)
+from lowtide.domain.spec_document import MAX_SPEC_BYTES, parse_document
+from lowtide.domain.spec_issues import SpecInvalid
+from lowtide.domain.spec_parse import TemplateLookup, build_job_spec, require_images
+from lowtide.domain.spec_render import parse_param_assignment, render_step
 from lowtide.domain.states import AttemptState, JobState
 from lowtide.store.repo import Store
 
@@ -74,6 +69,8 @@ class ApiContext:
     layout: ArtifactLayout
     templates: TemplateLookup | None = None
     auth_enabled: bool = True
+    #: "docker" or "podman" when steps run in containers (every step then needs an image).
+    container_runtime: str | None = None
     max_body_bytes: int = MAX_SPEC_BYTES
     on_change: Callable[[], None] = lambda: None
     loop_status: Callable[[], LoopStatus | None] = lambda: None
@@ -168,12 +165,15 @@ def create_app(ctx: ApiContext) -> FastAPI:
             raise ApiError(422, "invalid_spec", "invalid parameter override", issues)
         try:
             doc = parse_document(data, fmt=fmt)  # type: ignore[arg-type]
-            return build_job_spec(
+            spec = build_job_spec(
                 doc,
                 templates=ctx.templates,
                 param_overrides=overrides,
                 max_gpus_per_node=ctx.max_gpus_per_node,
             )
+            if ctx.container_runtime:
+                require_images(spec, ctx.container_runtime)
+            return spec
         except SpecInvalid as exc:
             raise _spec_error(exc) from exc
 

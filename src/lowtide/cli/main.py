@@ -170,7 +170,7 @@ def up(
     port: Annotated[int | None, typer.Option(help="Listen port (default from config).")] = None,
 ) -> None:
     """Start the embedded control plane: API, scheduling loop and local executor."""
-    from lowtide.wiring import serve  # noqa: PLC0415 (server-only imports)
+    from lowtide.wiring import ServeError, serve  # noqa: PLC0415 (server-only imports)
 
     overrides: dict[str, Any] = {}
     settings = _settings()
@@ -187,6 +187,8 @@ def up(
         serve(settings)
     except ConfigError as exc:
         _fail(str(exc))
+    except ServeError as exc:
+        _fail(str(exc), 1)
 
 
 @app.command()
@@ -199,12 +201,10 @@ def validate(
 ) -> None:
     """Check a job spec locally; exit 0 if valid, 2 with located errors if not."""
     from lowtide.adapters.templates import DirectoryTemplates  # noqa: PLC0415
-    from lowtide.domain.spec_parse import (  # noqa: PLC0415
-        SpecInvalid,
-        build_job_spec,
-        parse_document,
-        parse_param_assignment,
-    )
+    from lowtide.domain.spec_document import parse_document  # noqa: PLC0415
+    from lowtide.domain.spec_issues import SpecInvalid  # noqa: PLC0415
+    from lowtide.domain.spec_parse import build_job_spec, require_images  # noqa: PLC0415
+    from lowtide.domain.spec_render import parse_param_assignment  # noqa: PLC0415
 
     settings = _settings()
     max_gpus = _declared_max_gpus(settings)
@@ -221,6 +221,8 @@ def validate(
     try:
         doc = parse_document(data, fmt="json" if file.suffix.lower() == ".json" else "auto")
         spec = build_job_spec(doc, templates=templates, param_overrides=overrides, max_gpus_per_node=max_gpus)
+        if settings.executor.runtime != "process":
+            require_images(spec, settings.executor.runtime)
     except SpecInvalid as exc:
         if as_json:
             _print_json({"valid": False, "errors": [{"loc": i.loc, "msg": i.msg} for i in exc.issues]})

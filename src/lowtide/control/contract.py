@@ -15,7 +15,7 @@ from typing import Any
 from lowtide.domain.gpus import cuda_visible_devices
 from lowtide.domain.layout import is_remote, join_uri
 from lowtide.domain.spec import ResolvedStep
-from lowtide.domain.spec_parse import param_text
+from lowtide.domain.spec_render import param_text
 
 _ENV_UNSAFE = re.compile(r"[^A-Za-z0-9_]")
 

@@ -1,7 +1,7 @@
 """Job and step specifications as immutable values (DESIGN §5).
 
 These are what a validated job spec becomes; `spec_parse` builds them from YAML/JSON
-documents and `spec_parse.render_step` resolves a step's templates for one job id.
+documents and `spec_render.render_step` resolves a step's templates for one job id.
 Must not: read files, parse text, or know about the store.
 """
 

@@ -1,0 +1,511 @@
+"""The store's control-loop side: snapshots, attempts from start to exit, DAG moves, events.
+
+A mixin over `base.StoreBase`, composed into `repo.Store`; `control.loop` calls it through
+`control.ports.StorePort`. State writes go through `transitions` (guarded), GPU bookings through
+`ledger`; finishing an attempt also folds its GPU time into the team's fair-share usage and revokes
+its step tokens. Neighbours: `jobs_repo` (the API side), `pool_repo`, `tokens_repo`.
+Must not: decide anything (retries, DAG progress and placement arrive as policy's decisions) or
+read the clock (every time is passed in).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import Connection
+
+from lowtide.control.executor_port import ProcessIdentity
+from lowtide.control.records import (
+    AttemptLaunch,
+    AttemptRecord,
+    ExitContext,
+    NotFound,
+    NoticeDue,
+    StaleState,
+)
+from lowtide.domain.gpus import GpuRef, Node
+from lowtide.domain.layout import ArtifactLayout
+from lowtide.domain.states import (
+    QUEUED_STEP_STATES,
+    TERMINAL_JOB_STATES,
+    TERMINAL_STEP_STATES,
+    AttemptState,
+    JobState,
+    StepState,
+)
+from lowtide.policy.dag import DagChanges, JobView, StepView
+from lowtide.policy.fairshare import decay, decayed_integral
+from lowtide.policy.outcomes import ExitDecision
+from lowtide.policy.snapshot import QueuedStep, RunningStep, Snapshot
+from lowtide.store import ledger
+from lowtide.store.base import StoreBase, insert_event
+from lowtide.store.convert import attempt_record, resolved_from_doc
+from lowtide.store.schema import attempts, checkpoints, jobs, steps, team_usage, tokens
+from lowtide.store.transitions import move_attempt, move_job, move_step
+
+_RUNNING_ATTEMPT = (AttemptState.RUNNING, AttemptState.STOPPING)
+
+
+class AttemptsRepo(StoreBase):
+    def snapshot(self, *, now: float, nodes: tuple[Node, ...], half_life_s: float) -> Snapshot:
+        with self._read() as conn:
+            queued_rows = conn.execute(
+                sa.select(
+                    steps.c.job_id,
+                    steps.c.name,
+                    steps.c.idx,
+                    steps.c.state,
+                    steps.c.gpus,
+                    steps.c.eligible_at,
+                    steps.c.retries_used,
+                    steps.c.max_retries,
+                    jobs.c.team,
+                    jobs.c.priority,
+                    jobs.c.submitted_at,
+                )
+                .select_from(steps.join(jobs, jobs.c.id == steps.c.job_id))
+                .where(steps.c.state.in_([s.value for s in QUEUED_STEP_STATES]))
+            ).all()
+            running_rows = conn.execute(
+                sa.select(
+                    attempts.c.id,
+                    attempts.c.job_id,
+                    attempts.c.step_name,
+                    attempts.c.node,
+                    attempts.c.gpus,
+                    attempts.c.started_at,
+                    jobs.c.team,
+                    jobs.c.priority,
+                )
+                .select_from(attempts.join(jobs, jobs.c.id == attempts.c.job_id))
+                .where(attempts.c.state.in_([s.value for s in _RUNNING_ATTEMPT]))
+            ).all()
+            usage_rows = conn.execute(sa.select(team_usage)).all()
+        queued = tuple(
+            QueuedStep(
+                job_id=r.job_id,
+                step=r.name,
+                team=r.team,
+                priority=r.priority,
+                gpus=r.gpus,
+                submitted_at=r.submitted_at,
+                step_index=r.idx,
+                eligible_at=r.eligible_at,
+                preempted=r.state == StepState.PREEMPTED.value,
+                retry_note=(f"attempt {r.retries_used + 1} of {r.max_retries + 1}" if r.retries_used else ""),
+            )
+            for r in queued_rows
+        )
+        running = tuple(
+            RunningStep(
+                attempt_id=r.id,
+                job_id=r.job_id,
+                step=r.step_name,
+                team=r.team,
+                priority=r.priority,
+                node=r.node,
+                gpus=tuple(r.gpus),
+                started_at=r.started_at,
+            )
+            for r in running_rows
+        )
+        usage = {r.team: decay(r.decayed_gpu_seconds, r.as_of, now, half_life_s) for r in usage_rows}
+        return Snapshot(now=now, nodes=nodes, running=running, queued=queued, team_usage=usage)
+
+    def begin_attempt(
+        self,
+        *,
+        job_id: str,
+        step: str,
+        node: str,
+        gpus: tuple[int, ...],
+        layout: ArtifactLayout,
+        now: float,
+        reason: str,
+    ) -> AttemptLaunch:
+        """Book the step's GPUs and create its next attempt (state RUNNING) in one transaction.
+
+        Raises StaleState if the step is no longer startable and GpuBusy if a GPU is taken:
+        nothing is written then.
+        """
+        with self._write() as conn:
+            row = conn.execute(
+                sa.select(
+                    steps,
+                    jobs.c.team,
+                    jobs.c.state.label("job_state"),
+                    jobs.c.spec,
+                    jobs.c.grace_seconds,
+                )
+                .select_from(steps.join(jobs, jobs.c.id == steps.c.job_id))
+                .where(steps.c.job_id == job_id, steps.c.name == step)
+            ).first()
+            if row is None:
+                raise NotFound(f"step '{step}' of job '{job_id}' not found")
+            job_state = JobState(row.job_state)
+            if job_state in TERMINAL_JOB_STATES:
+                raise StaleState(f"job {job_id} is {job_state}")
+            state = StepState(row.state)
+            move_step(conn, row.id, state, StepState.RUNNING, reason=reason, updated_at=now)
+            number = (
+                conn.execute(
+                    sa.select(sa.func.coalesce(sa.func.max(attempts.c.number), 0)).where(
+                        attempts.c.step_id == row.id
+                    )
+                ).scalar_one()
+                + 1
+            )
+            resolved = resolved_from_doc(row.resolved)
+            params = dict(row.spec.get("params") or {})
+            work_dir = layout.attempt_dir(job_id, step, number)
+            record = {
+                "spec": row.spec,
+                "resolved": row.resolved,
+                "params": params,
+                "image": resolved.image,
+                "inputs": dict(resolved.inputs),
+                "outputs": resolved.outputs,
+                "checkpoint_dir": resolved.checkpoint_dir,
+                "resume_from": row.last_checkpoint,
+                "node": node,
+                "gpus": list(gpus),
+            }
+            attempt_id = conn.execute(
+                sa.insert(attempts)
+                .values(
+                    job_id=job_id,
+                    step_id=row.id,
+                    step_name=step,
+                    number=number,
+                    state=AttemptState.RUNNING.value,
+                    node=node,
+                    gpus=list(gpus),
+                    started_at=now,
+                    work_dir=work_dir,
+                    record=record,
+                    message="",
+                )
+                .returning(attempts.c.id)
+            ).scalar_one()
+            ledger.hold(
+                conn,
+                [GpuRef(node, i) for i in gpus],
+                kind=ledger.ATTEMPT,
+                holder_id=str(attempt_id),
+                job_id=job_id,
+                team=row.team,
+                now=now,
+            )
+            if job_state == JobState.QUEUED:
+                move_job(conn, job_id, JobState.QUEUED, JobState.RUNNING, started_at=now)
+            where = f"{node} GPUs {','.join(map(str, gpus))}" if gpus else f"{node} (no GPUs)"
+            insert_event(
+                conn, job_id, step, attempt_id, now, "started", f"attempt {number} started on {where}"
+            )
+            return AttemptLaunch(
+                attempt_id=attempt_id,
+                number=number,
+                job_id=job_id,
+                step=step,
+                team=row.team,
+                node=node,
+                gpus=gpus,
+                resolved=resolved,
+                params=params,
+                work_dir=work_dir,
+                last_checkpoint=row.last_checkpoint,
+                grace_seconds=row.grace_seconds,
+            )
+
+    def set_attempt_process(self, attempt_id: int, identity: ProcessIdentity) -> None:
+        with self._write() as conn:
+            conn.execute(
+                sa.update(attempts)
+                .where(attempts.c.id == attempt_id)
+                .values(pid=identity.pid, pid_started_at=identity.started_at)
+            )
+
+    def active_attempts(self) -> list[AttemptRecord]:
+        with self._read() as conn:
+            rows = conn.execute(
+                sa.select(attempts)
+                .where(attempts.c.state.in_([s.value for s in _RUNNING_ATTEMPT]))
+                .order_by(attempts.c.id)
+            ).all()
+        return [attempt_record(r) for r in rows]
+
+    def exit_context(self, attempt_id: int) -> ExitContext:
+        with self._read() as conn:
+            row = conn.execute(
+                sa.select(
+                    attempts.c.id,
+                    attempts.c.job_id,
+                    attempts.c.step_name,
+                    attempts.c.state,
+                    steps.c.state.label("step_state"),
+                    steps.c.retries_used,
+                    steps.c.max_retries,
+                    steps.c.resolved,
+                    steps.c.last_checkpoint,
+                )
+                .select_from(attempts.join(steps, steps.c.id == attempts.c.step_id))
+                .where(attempts.c.id == attempt_id)
+            ).first()
+        if row is None:
+            raise NotFound(f"attempt {attempt_id} not found")
+        return ExitContext(
+            attempt_id=row.id,
+            job_id=row.job_id,
+            step=row.step_name,
+            attempt_state=AttemptState(row.state),
+            step_state=StepState(row.step_state),
+            retries_used=row.retries_used,
+            max_retries=row.max_retries,
+            checkpoint_dir=row.resolved.get("checkpoint_dir"),
+            last_checkpoint=row.last_checkpoint,
+        )
+
+    def finish_attempt(
+        self,
+        ctx: ExitContext,
+        decision: ExitDecision,
+        *,
+        ended_at: float,
+        exit_code: int | None,
+        signal: int | None,
+        killed_at_deadline: bool,
+        half_life_s: float,
+    ) -> None:
+        """Apply an exit decision: attempt and step states, GPUs back to idle, usage, tokens."""
+        with self._write() as conn:
+            move_attempt(
+                conn,
+                ctx.attempt_id,
+                [ctx.attempt_state],
+                decision.attempt_state,
+                ended_at=ended_at,
+                exit_code=exit_code,
+                signal=signal,
+                killed_at_deadline=killed_at_deadline,
+                message=decision.message,
+            )
+            step_id = conn.execute(
+                sa.select(attempts.c.step_id).where(attempts.c.id == ctx.attempt_id)
+            ).scalar_one()
+            values: dict[str, Any] = {
+                "retries_used": decision.retries_used,
+                "eligible_at": decision.eligible_at,
+                "reason": decision.message,
+                "updated_at": ended_at,
+            }
+            if decision.preempted:
+                values["preemptions"] = steps.c.preemptions + 1
+            move_step(conn, step_id, ctx.step_state, decision.step_state, **values)
+            att = conn.execute(
+                sa.select(attempts.c.started_at, attempts.c.gpus, jobs.c.team)
+                .select_from(attempts.join(jobs, jobs.c.id == attempts.c.job_id))
+                .where(attempts.c.id == ctx.attempt_id)
+            ).one()
+            ledger.release(conn, kind=ledger.ATTEMPT, holder_id=str(ctx.attempt_id), now=ended_at)
+            if att.gpus:
+                _fold_usage(conn, att.team, len(att.gpus), att.started_at, ended_at, ended_at, half_life_s)
+            conn.execute(
+                sa.update(tokens)
+                .where(tokens.c.attempt_id == ctx.attempt_id, tokens.c.revoked_at.is_(None))
+                .values(revoked_at=ended_at)
+            )
+            insert_event(
+                conn,
+                ctx.job_id,
+                ctx.step,
+                ctx.attempt_id,
+                ended_at,
+                decision.attempt_state.value.lower(),
+                decision.message,
+            )
+
+    def notices_due(self) -> list[NoticeDue]:
+        with self._read() as conn:
+            rows = conn.execute(
+                sa.select(
+                    attempts.c.id,
+                    attempts.c.job_id,
+                    attempts.c.step_name,
+                    steps.c.state.label("step_state"),
+                    jobs.c.grace_seconds,
+                )
+                .select_from(
+                    attempts.join(steps, steps.c.id == attempts.c.step_id).join(
+                        jobs, jobs.c.id == attempts.c.job_id
+                    )
+                )
+                .where(
+                    attempts.c.state == AttemptState.RUNNING.value,
+                    steps.c.state.in_([StepState.CANCELLING.value, StepState.PREEMPTING.value]),
+                )
+            ).all()
+        return [
+            NoticeDue(
+                attempt_id=r.id,
+                job_id=r.job_id,
+                step=r.step_name,
+                step_state=StepState(r.step_state),
+                grace_seconds=r.grace_seconds,
+            )
+            for r in rows
+        ]
+
+    def mark_stopping(self, attempt_id: int, *, deadline: float, reason: str, now: float) -> None:
+        with self._write() as conn:
+            move_attempt(
+                conn,
+                attempt_id,
+                [AttemptState.RUNNING],
+                AttemptState.STOPPING,
+                notice_at=now,
+                stop_deadline=deadline,
+                stop_reason=reason,
+            )
+            row = conn.execute(
+                sa.select(attempts.c.job_id, attempts.c.step_name).where(attempts.c.id == attempt_id)
+            ).one()
+            insert_event(conn, row.job_id, row.step_name, attempt_id, now, "notice", reason)
+
+    def job_views(self, job_ids: Iterable[str] | None = None) -> list[JobView]:
+        """Jobs whose DAG may move: the given ones, or every job with a non-terminal step."""
+        with self._read() as conn:
+            if job_ids is None:
+                open_jobs = sa.select(jobs.c.id).where(
+                    jobs.c.state.not_in([s.value for s in TERMINAL_JOB_STATES])
+                )
+                open_steps = sa.select(steps.c.job_id).where(
+                    steps.c.state.not_in([s.value for s in TERMINAL_STEP_STATES])
+                )
+                ids = [r[0] for r in conn.execute(sa.union(open_jobs, open_steps)).all()]
+            else:
+                ids = list(dict.fromkeys(job_ids))
+            if not ids:
+                return []
+            job_rows = conn.execute(sa.select(jobs.c.id, jobs.c.state).where(jobs.c.id.in_(ids))).all()
+            step_rows = conn.execute(
+                sa.select(steps.c.job_id, steps.c.name, steps.c.state, steps.c.depends)
+                .where(steps.c.job_id.in_(ids))
+                .order_by(steps.c.job_id, steps.c.idx)
+            ).all()
+        by_job: dict[str, list[StepView]] = defaultdict(list)
+        for r in step_rows:
+            by_job[r.job_id].append(StepView(r.name, StepState(r.state), tuple(r.depends)))
+        return [JobView(r.id, JobState(r.state), tuple(by_job[r.id])) for r in job_rows]
+
+    def apply_dag(self, changes: DagChanges, now: float) -> None:
+        if changes.empty:
+            return
+        with self._write() as conn:
+            ids = dict(
+                conn.execute(
+                    sa.select(steps.c.name, steps.c.id).where(steps.c.job_id == changes.job_id)
+                ).all()
+            )
+            for c in changes.steps:
+                move_step(conn, ids[c.step], c.from_state, c.to_state, reason=c.reason, updated_at=now)
+                if c.to_state != StepState.READY:
+                    insert_event(conn, changes.job_id, c.step, None, now, c.to_state.value.lower(), c.reason)
+            if changes.job is not None:
+                move_job(
+                    conn,
+                    changes.job_id,
+                    changes.job.from_state,
+                    changes.job.to_state,
+                    finished_at=now,
+                    message=changes.job.reason,
+                )
+                insert_event(
+                    conn,
+                    changes.job_id,
+                    None,
+                    None,
+                    now,
+                    changes.job.to_state.value.lower(),
+                    changes.job.reason,
+                )
+
+    def add_event(
+        self, job_id: str, step: str | None, attempt_id: int | None, *, at: float, kind: str, message: str
+    ) -> None:
+        with self._write() as conn:
+            insert_event(conn, job_id, step, attempt_id, at, kind, message)
+
+    def set_waiting_reasons(self, reasons: Mapping[tuple[str, str], str]) -> None:
+        if not reasons:
+            return
+        with self._write() as conn:
+            conn.execute(
+                sa.update(steps)
+                .where(steps.c.job_id == sa.bindparam("j"), steps.c.name == sa.bindparam("s"))
+                .values(reason=sa.bindparam("r")),
+                [{"j": j, "s": s, "r": r} for (j, s), r in reasons.items()],
+            )
+
+    def record_checkpoint(
+        self,
+        attempt_id: int,
+        *,
+        label: str,
+        progress: str | None,
+        source: str,
+        now: float,
+    ) -> bool:
+        """Record a checkpoint an attempt reported; returns False if it was already the latest."""
+        with self._write() as conn:
+            row = conn.execute(
+                sa.select(
+                    attempts.c.job_id, attempts.c.step_name, attempts.c.step_id, steps.c.last_checkpoint
+                )
+                .select_from(attempts.join(steps, steps.c.id == attempts.c.step_id))
+                .where(attempts.c.id == attempt_id)
+            ).first()
+            if row is None:
+                raise NotFound(f"attempt {attempt_id} not found")
+            if row.last_checkpoint == label:
+                return False
+            conn.execute(
+                sa.insert(checkpoints).values(
+                    attempt_id=attempt_id,
+                    job_id=row.job_id,
+                    step_name=row.step_name,
+                    label=label,
+                    progress=progress,
+                    source=source,
+                    reported_at=now,
+                )
+            )
+            conn.execute(
+                sa.update(steps)
+                .where(steps.c.id == row.step_id)
+                .values(last_checkpoint=label, last_checkpoint_at=now)
+            )
+            detail = f" ({progress})" if progress else ""
+            insert_event(
+                conn, row.job_id, row.step_name, attempt_id, now, "checkpoint", f"checkpoint {label}{detail}"
+            )
+            return True
+
+
+def _fold_usage(
+    conn: Connection, team: str, gpus: int, start: float, end: float, now: float, half_life_s: float
+) -> None:
+    """Add a finished attempt's decayed GPU-seconds to its team's accumulator (fair share)."""
+    add = decayed_integral(gpus, start, end, now, half_life_s)
+    row = conn.execute(sa.select(team_usage).where(team_usage.c.team == team)).first()
+    if row is None:
+        conn.execute(sa.insert(team_usage).values(team=team, decayed_gpu_seconds=add, as_of=now))
+    else:
+        value = decay(row.decayed_gpu_seconds, row.as_of, now, half_life_s) + add
+        conn.execute(
+            sa.update(team_usage)
+            .where(team_usage.c.team == team)
+            .values(decayed_gpu_seconds=value, as_of=now)
+        )

@@ -1,0 +1,253 @@
+"""The store's API side for jobs: submit, list, read, cancel, and read attempts.
+
+A mixin over `base.StoreBase` (one transaction per call), composed into `repo.Store`; `api` calls
+it. Step states start as PENDING/READY here and cancelling moves them through `transitions`
+(guarded); the control loop's writes live in `attempts_repo`, the GPU pool in `pool_repo`.
+Must not: decide anything (what runs when is policy; cancelling only records the request and the
+loop gives notice) or read the clock (every time is passed in).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from sqlalchemy import Connection
+
+from lowtide.control.records import (
+    AttemptRecord,
+    CheckpointRecord,
+    EventRecord,
+    JobDetail,
+    JobRecord,
+    NewJob,
+    NotFound,
+)
+from lowtide.domain.states import TERMINAL_JOB_STATES, JobState, StepState
+from lowtide.store.base import StoreBase, insert_event
+from lowtide.store.convert import attempt_record, job_record, resolved_to_doc, step_record
+from lowtide.store.schema import attempts, checkpoints, events, jobs, steps
+from lowtide.store.transitions import move_job, move_job_steps
+
+
+class JobsRepo(StoreBase):
+    def create_job(self, new: NewJob) -> JobRecord:
+        """Store a new job and its steps; returns the job as stored (no second read)."""
+        spec = new.spec
+        now = new.submitted_at
+        document = spec.to_document()
+        step_states = [(StepState.PENDING if step.depends else StepState.READY).value for step in spec.steps]
+        with self._write() as conn:
+            conn.execute(
+                sa.insert(jobs).values(
+                    id=new.id,
+                    name=spec.name,
+                    team=spec.team,
+                    owner=new.owner,
+                    priority=spec.priority,
+                    state=JobState.QUEUED.value,
+                    submitted_at=now,
+                    grace_seconds=spec.grace_seconds,
+                    template=spec.template,
+                    rerun_of=new.rerun_of,
+                    spec=document,
+                    source_text=new.source_text,
+                    message="",
+                )
+            )
+            conn.execute(
+                sa.insert(steps),
+                [
+                    {
+                        "job_id": new.id,
+                        "name": step.name,
+                        "idx": i,
+                        "state": step_states[i],
+                        "gpus": step.gpus,
+                        "depends": list(step.depends),
+                        "resolved": resolved_to_doc(resolved),
+                        "max_retries": spec.retries_for(step),
+                        "retries_used": 0,
+                        "preemptions": 0,
+                        "eligible_at": 0.0,
+                        "reason": "" if not step.depends else "waiting for " + ", ".join(step.depends),
+                        "updated_at": now,
+                    }
+                    for i, (step, resolved) in enumerate(zip(spec.steps, new.resolved, strict=True))
+                ],
+            )
+            note = f" (rerun of {new.rerun_of})" if new.rerun_of else ""
+            insert_event(conn, new.id, None, None, now, "submitted", f"submitted by {new.owner}{note}")
+        counts: dict[str, int] = {}
+        for state in sorted(step_states):
+            counts[state] = counts.get(state, 0) + 1
+        return JobRecord(
+            id=new.id,
+            name=spec.name,
+            team=spec.team,
+            owner=new.owner,
+            priority=spec.priority,
+            state=JobState.QUEUED,
+            submitted_at=now,
+            started_at=None,
+            finished_at=None,
+            cancel_requested_at=None,
+            grace_seconds=spec.grace_seconds,
+            template=spec.template,
+            rerun_of=new.rerun_of,
+            spec=document,
+            source_text=new.source_text,
+            message="",
+            step_states=counts,
+        )
+
+    def list_jobs(
+        self,
+        *,
+        states: Sequence[JobState] = (),
+        team: str | None = None,
+        owner: str | None = None,
+        name: str | None = None,
+        limit: int = 100,
+        before: float | None = None,
+    ) -> list[JobRecord]:
+        q = sa.select(jobs).order_by(jobs.c.submitted_at.desc(), jobs.c.id.desc()).limit(limit)
+        if states:
+            q = q.where(jobs.c.state.in_([s.value for s in states]))
+        if team:
+            q = q.where(jobs.c.team == team)
+        if owner:
+            q = q.where(jobs.c.owner == owner)
+        if name:
+            q = q.where(jobs.c.name == name)
+        if before is not None:
+            q = q.where(jobs.c.submitted_at < before)
+        with self._read() as conn:
+            rows = conn.execute(q).all()
+            counts = _step_counts(conn, [r.id for r in rows])
+        return [job_record(r, counts.get(r.id)) for r in rows]
+
+    def job(self, job_id: str) -> JobRecord:
+        with self._read() as conn:
+            row = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).first()
+            if row is None:
+                raise NotFound(f"job '{job_id}' not found")
+            return job_record(row, _step_counts(conn, [job_id]).get(job_id))
+
+    def job_detail(self, job_id: str) -> JobDetail:
+        with self._read() as conn:
+            row = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).first()
+            if row is None:
+                raise NotFound(f"job '{job_id}' not found")
+            step_rows = conn.execute(
+                sa.select(steps).where(steps.c.job_id == job_id).order_by(steps.c.idx)
+            ).all()
+            attempt_rows = conn.execute(
+                sa.select(attempts).where(attempts.c.job_id == job_id).order_by(attempts.c.id)
+            ).all()
+            ckpt_rows = conn.execute(
+                sa.select(checkpoints).where(checkpoints.c.job_id == job_id).order_by(checkpoints.c.id)
+            ).all()
+            event_rows = conn.execute(
+                sa.select(events).where(events.c.job_id == job_id).order_by(events.c.id)
+            ).all()
+        step_recs = tuple(step_record(r) for r in step_rows)
+        counts: dict[str, int] = defaultdict(int)
+        for s in step_recs:
+            counts[s.state.value] += 1
+        return JobDetail(
+            job=job_record(row, dict(counts)),
+            steps=step_recs,
+            attempts=tuple(attempt_record(r) for r in attempt_rows),
+            checkpoints=tuple(
+                CheckpointRecord(
+                    attempt_id=r.attempt_id,
+                    job_id=r.job_id,
+                    step_name=r.step_name,
+                    label=r.label,
+                    progress=r.progress,
+                    source=r.source,
+                    reported_at=r.reported_at,
+                )
+                for r in ckpt_rows
+            ),
+            events=tuple(
+                EventRecord(
+                    job_id=r.job_id,
+                    step_name=r.step_name,
+                    attempt_id=r.attempt_id,
+                    at=r.at,
+                    kind=r.kind,
+                    message=r.message,
+                )
+                for r in event_rows
+            ),
+        )
+
+    def request_cancel(self, job_id: str, *, by: str, now: float) -> JobRecord:
+        """Cancel a job: steps not started are CANCELLED now, running ones CANCELLING (the loop
+        gives them notice). Cancelling a finished job changes nothing (the record is returned)."""
+        with self._write() as conn:
+            row = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).first()
+            if row is None:
+                raise NotFound(f"job '{job_id}' not found")
+            state = JobState(row.state)
+            if state in TERMINAL_JOB_STATES:
+                return job_record(row)
+            # Not-started steps first: on PostgreSQL a concurrent start either commits before
+            # (the step is then RUNNING and caught by the second update) or fails its guard.
+            move_job_steps(
+                conn,
+                job_id,
+                (StepState.PENDING, StepState.READY, StepState.PREEMPTED),
+                StepState.CANCELLED,
+                reason="job cancelled",
+                updated_at=now,
+            )
+            moved = move_job_steps(
+                conn,
+                job_id,
+                (StepState.RUNNING, StepState.PREEMPTING),
+                StepState.CANCELLING,
+                reason="job cancelled: stopping",
+                updated_at=now,
+            )
+            move_job(conn, job_id, state, JobState.CANCELLED, cancel_requested_at=now, finished_at=now)
+            detail = f"; stopping {moved} running step(s)" if moved else ""
+            insert_event(conn, job_id, None, None, now, "cancelled", f"cancelled by {by}{detail}")
+            row = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).one()
+            return job_record(row, _step_counts(conn, [job_id]).get(job_id))
+
+    def attempt(self, attempt_id: int) -> AttemptRecord:
+        with self._read() as conn:
+            row = conn.execute(sa.select(attempts).where(attempts.c.id == attempt_id)).first()
+        if row is None:
+            raise NotFound(f"attempt {attempt_id} not found")
+        return attempt_record(row)
+
+    def step_attempts(self, job_id: str, step: str) -> list[AttemptRecord]:
+        with self._read() as conn:
+            exists = conn.execute(
+                sa.select(steps.c.id).where(steps.c.job_id == job_id, steps.c.name == step)
+            ).first()
+            if exists is None:
+                raise NotFound(f"step '{step}' of job '{job_id}' not found")
+            rows = conn.execute(
+                sa.select(attempts)
+                .where(attempts.c.job_id == job_id, attempts.c.step_name == step)
+                .order_by(attempts.c.number)
+            ).all()
+        return [attempt_record(r) for r in rows]
+
+
+def _step_counts(conn: Connection, job_ids: list[str]) -> dict[str, dict[str, int]]:
+    counts: dict[str, dict[str, int]] = defaultdict(dict)
+    if job_ids:
+        for job_id, state, n in conn.execute(
+            sa.select(steps.c.job_id, steps.c.state, sa.func.count())
+            .where(steps.c.job_id.in_(job_ids))
+            .group_by(steps.c.job_id, steps.c.state)
+        ).all():
+            counts[job_id][state] = int(n)
+    return counts
