@@ -170,7 +170,9 @@ def _lock_state_dir(state: Path) -> TextIO:
 def _listen(host: str, port: int) -> socket.socket:
     """Bind the API socket before anything else starts, so a taken port fails fast and clearly."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto must say TCP: asyncio turns Nagle off (TCP_NODELAY) only on sockets that do, and
+    # with Nagle on every small response waits for a delayed ACK (~40 ms per request).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
