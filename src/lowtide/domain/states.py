@@ -120,3 +120,37 @@ QUEUED_STEP_STATES = frozenset({S.READY, S.PREEMPTED})
 ACTIVE_STEP_STATES = frozenset({S.RUNNING, S.PREEMPTING, S.CANCELLING})
 TERMINAL_STEP_STATES = frozenset(s for s in StepState if STEP_LIFECYCLE.is_terminal(s))
 TERMINAL_JOB_STATES = frozenset(s for s in JobState if JOB_LIFECYCLE.is_terminal(s))
+
+
+class ReplicaState(StrEnum):
+    """An inference replica's life. GPUs are held by the replica in every state but PARKED
+    (asleep or stopped: its GPUs may be lent), STOPPED and FAILED."""
+
+    STARTING = "STARTING"  # process launched, waiting for /health (cold start)
+    SERVING = "SERVING"  # healthy and in the gateway
+    DRAINING = "DRAINING"  # out of the gateway, in-flight requests finishing
+    PARKING = "PARKING"  # being put to sleep or stopped
+    PARKED = "PARKED"  # asleep (weights in host RAM, process alive) or stopped; GPUs lendable
+    WAKING = "WAKING"  # woken or restarting; back to SERVING once healthy
+    FAILED = "FAILED"  # never became healthy, or died; retried by the autoscaler with backoff
+
+
+R = ReplicaState
+
+REPLICA_LIFECYCLE: Lifecycle[ReplicaState] = Lifecycle(
+    "replica",
+    {
+        R.STARTING: frozenset({R.SERVING, R.FAILED, R.PARKING}),
+        R.SERVING: frozenset({R.DRAINING, R.FAILED}),
+        R.DRAINING: frozenset({R.PARKING, R.SERVING, R.FAILED}),
+        R.PARKING: frozenset({R.PARKED, R.FAILED}),
+        R.PARKED: frozenset({R.WAKING, R.FAILED}),
+        R.WAKING: frozenset({R.SERVING, R.FAILED, R.PARKING}),
+        R.FAILED: frozenset({R.STARTING, R.PARKED}),
+    },
+)
+
+#: Replica states in which the replica's GPUs are its own (not lendable).
+GPU_HOLDING_REPLICA_STATES = frozenset({R.STARTING, R.SERVING, R.DRAINING, R.PARKING, R.WAKING})
+#: Replica states that count as inference capacity now or soon (supply for the autoscaler).
+SUPPLY_REPLICA_STATES = frozenset({R.STARTING, R.SERVING, R.WAKING})

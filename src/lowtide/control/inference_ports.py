@@ -1,0 +1,86 @@
+"""Ports of the inference side: metrics sources, the service manager and the gateway.
+
+Implemented by `adapters.metrics_sources` (direct scrape or PromQL), `adapters.local_services`
+(local vLLM / emulator processes; a Kubernetes scaler later) and `adapters.gateway`. The loop
+owns every decision; these only observe and carry out. Errors are classified at their edge:
+a metrics failure becomes a stale/unknown signal, never an exception out of `collect`.
+Must not: contain implementations or decide anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from lowtide.domain.metrics import ServiceSignals
+from lowtide.domain.services import ParkMode
+
+
+class MetricsSource(Protocol):
+    def collect(self, service: str, replicas: Mapping[str, str], now: float) -> ServiceSignals:
+        """Signals for each replica (`replica id -> base URL`, e.g. http://127.0.0.1:8101).
+        Never raises: failures come back as stale signals or `source_error`."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLaunch:
+    replica_id: str  # "<service>/<slot>"
+    service: str
+    model: str
+    node: str
+    gpus: tuple[int, ...]
+    port: int
+    command: tuple[str, ...]  # already rendered ({model}, {port}, {gpus} filled in)
+    env: Mapping[str, str]  # includes CUDA_VISIBLE_DEVICES
+    work_dir: str
+    log_path: str
+    health_timeout_s: float  # FAILED if not healthy within this
+
+
+ReplicaEventKind = Literal["healthy", "asleep", "stopped", "failed"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaEvent:
+    replica_id: str
+    kind: ReplicaEventKind
+    at: float
+    detail: str = ""
+
+
+class ServiceManager(Protocol):
+    def start(self, launch: ReplicaLaunch, now: float) -> None:
+        """Start (or restart) a replica; `poll` reports `healthy` once /health answers."""
+        ...
+
+    def park(self, replica_id: str, mode: ParkMode, now: float) -> None:
+        """`sleep`: POST /sleep?level=1 (weights to host RAM; the process stays); `stop`: graceful
+        stop of the process. `poll` reports `asleep` / `stopped` when done."""
+        ...
+
+    def unpark(self, replica_id: str, now: float) -> None:
+        """Wake a sleeping replica (POST /wake_up) or start a stopped one again; `poll` reports
+        `healthy` when it serves."""
+        ...
+
+    def poll(self, now: float) -> list[ReplicaEvent]:
+        """What happened since the last poll (health reached, parked, died, timed out)."""
+        ...
+
+    def url(self, replica_id: str) -> str | None:
+        """The replica's base URL while its process exists."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Gateway(Protocol):
+    def set_backends(self, service: str, backends: Mapping[str, str]) -> None:
+        """The replicas that take new requests now (`replica id -> base URL`)."""
+        ...
+
+    def in_flight(self, service: str, replica_id: str) -> int:
+        """Requests still being served by that replica (for draining)."""
+        ...
