@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: venv demo test test-fast lint fmt bench clean
+.PHONY: venv demo test test-fast lint fmt bench clean prometheus
 
 venv: $(STAMP)
 
@@ -25,7 +25,14 @@ lint: venv
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-test: lint
+# Tests start a real Prometheus server; install it when we can (root on Debian), else they skip.
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  (apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 || \
+	   (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null)); } || \
+	  echo "note: prometheus is not installed; its integration tests will skip (CI installs it)"
+
+test: lint prometheus
 	$(BIN)/pytest -q
 
 test-fast: venv

@@ -14,6 +14,7 @@ import os
 import re
 from pathlib import Path
 from typing import Any, Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -130,6 +131,192 @@ class ExecutorConfig(_Strict):
         return parse_duration(v)
 
 
+_WINDOW = re.compile(r"^\s*(\d{1,2}):(\d{2})\s*-\s*(\d{1,2}):(\d{2})\s*$")
+
+
+def _minute(h: str, m: str) -> int:
+    hh, mm = int(h), int(m)
+    if hh == 24 and mm == 0:
+        return 1440
+    if not (0 <= hh < 24 and 0 <= mm < 60):
+        raise ValueError(f"{hh:02d}:{mm:02d} is not a time of day")
+    return hh * 60 + mm
+
+
+def parse_window(text: str) -> tuple[int, int]:
+    """`"20:00-08:00"` → (1200, 480) minutes after local midnight (may cross midnight)."""
+    m = _WINDOW.match(text)
+    if not m:
+        raise ValueError(f"expected a window like '20:00-08:00', got {text!r}")
+    start, end = _minute(m.group(1), m.group(2)), _minute(m.group(3), m.group(4))
+    if start == end % 1440:
+        raise ValueError(f"window {text!r} is empty")
+    return start, end % 1440
+
+
+def _window_minutes(start: int, end: int) -> set[int]:
+    return set(range(start, end)) if start < end else set(range(start, 1440)) | set(range(0, end))
+
+
+class MetricsConfig(_Strict):
+    """Where a service's load comes from: each replica's /metrics, or a Prometheus server."""
+
+    source: Literal["scrape", "prometheus"] = "scrape"
+    prometheus_url: str | None = None
+    #: PromQL label matchers that select this service's series (with `source: prometheus`).
+    selector: str = 'job="vllm"'
+    timeout: float = 2.0
+    window: float = 60.0
+    stale_after: float = 30.0
+    frozen_after: float = 120.0
+
+    @field_validator("timeout", "window", "stale_after", "frozen_after", mode="before")
+    @classmethod
+    def _duration(cls, v: Any) -> float:
+        seconds = parse_duration(v)
+        if seconds <= 0:
+            raise ValueError("must be positive")
+        return seconds
+
+    @model_validator(mode="after")
+    def _prometheus_url(self) -> MetricsConfig:
+        if self.source == "prometheus" and not self.prometheus_url:
+            raise ValueError("prometheus_url: required with source: prometheus")
+        return self
+
+
+class AutoscaleConfig(_Strict):
+    concurrency_per_replica: float | None = Field(default=32.0, gt=0)
+    kv_usage: float | None = Field(default=0.8, gt=0, le=1)
+    generation_tokens_per_s_per_replica: float | None = Field(default=None, gt=0)
+    token_utilization: float = Field(default=0.8, gt=0, le=1)
+    ttft_p90_slo: float | None = None
+    scale_up_window: float = 30.0
+    scale_down_stabilization: float = 300.0
+    tolerance: float = Field(default=0.1, ge=0, lt=1)
+
+    @field_validator("ttft_p90_slo", "scale_up_window", "scale_down_stabilization", mode="before")
+    @classmethod
+    def _duration(cls, v: Any) -> float | None:
+        return None if v is None else parse_duration(v)
+
+
+class ServiceConfig(_Strict):
+    """An inference service lowtide runs (embedded mode) and lends GPUs from."""
+
+    name: str
+    model: str
+    gpus_per_replica: int = Field(default=1, ge=1)
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=1, ge=1)
+    headroom_replicas: int = Field(default=0, ge=0)
+    min_safe_replicas: int | None = Field(default=None, ge=0)
+    park: Literal["stop", "sleep"] = "stop"
+    #: The replica command; {model}, {port}, {gpus} and {python} are filled in. Default: `vllm serve`
+    #: (with --enable-sleep-mode when park is sleep), or the emulator when `emulate: true`.
+    command: list[str] | None = None
+    #: Run lowtide's vLLM emulator instead of vLLM (machines without GPUs: demo, tests).
+    emulate: bool = False
+    emulator_args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    base_port: int = Field(default=8100, ge=1, le=65535)
+    #: The stable OpenAI-compatible address clients use; None: no gateway.
+    gateway_port: int | None = Field(default=None, ge=0, le=65535)
+    startup_timeout: float = 600.0
+    expected_startup: float = 120.0
+    expected_wake: float = 10.0
+    drain_timeout: float = 30.0
+    #: The longest notice a research step gets when this service takes its GPUs back.
+    reclaim_grace: float = 60.0
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME_RULE.match(v):
+            raise ValueError("service names use lowercase letters, digits and '-' (at most 63)")
+        return v
+
+    @field_validator(
+        "startup_timeout",
+        "expected_startup",
+        "expected_wake",
+        "drain_timeout",
+        "reclaim_grace",
+        mode="before",
+    )
+    @classmethod
+    def _duration(cls, v: Any) -> float:
+        return parse_duration(v)
+
+    @model_validator(mode="after")
+    def _replicas(self) -> ServiceConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas ({self.min_replicas}) is larger than max_replicas ({self.max_replicas})"
+            )
+        if self.min_safe_replicas is not None and self.min_safe_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_safe_replicas ({self.min_safe_replicas}) is larger than "
+                f"max_replicas ({self.max_replicas})"
+            )
+        if self.base_port + self.max_replicas - 1 > 65535:
+            raise ValueError("base_port + max_replicas goes past port 65535")
+        if self.command is not None and not self.command:
+            raise ValueError("command: give the program and its arguments")
+        return self
+
+    def replica_ports(self) -> list[int]:
+        return [self.base_port + slot for slot in range(self.max_replicas)]
+
+
+class LendingConfig(_Strict):
+    """When research may use GPUs that inference does not need."""
+
+    mode: Literal["continuous", "window", "forecast"] = "continuous"
+    #: Local-time windows for mode `window`, e.g. ["20:00-08:00"]; they may not overlap.
+    windows: list[str] = Field(default_factory=list)
+    timezone: str = "UTC"
+    stale_after: float = 30.0
+    stale_reclaim_after: float = 120.0
+
+    @field_validator("stale_after", "stale_reclaim_after", mode="before")
+    @classmethod
+    def _duration(cls, v: Any) -> float:
+        return parse_duration(v)
+
+    @field_validator("timezone")
+    @classmethod
+    def _tz(cls, v: str) -> str:
+        try:
+            ZoneInfo(v)
+        except (ZoneInfoNotFoundError, ValueError) as exc:
+            raise ValueError(f"unknown time zone {v!r} (use an IANA name such as Europe/Berlin)") from exc
+        return v
+
+    @field_validator("windows")
+    @classmethod
+    def _windows(cls, v: list[str]) -> list[str]:
+        seen: list[tuple[str, set[int]]] = []
+        for text in v:
+            start, end = parse_window(text)
+            minutes = _window_minutes(start, end)
+            for other, other_minutes in seen:
+                if minutes & other_minutes:
+                    raise ValueError(f"windows {other!r} and {text!r} overlap")
+            seen.append((text, minutes))
+        return v
+
+    @model_validator(mode="after")
+    def _mode(self) -> LendingConfig:
+        if self.mode == "window" and not self.windows:
+            raise ValueError("windows: mode 'window' needs at least one window, e.g. ['20:00-08:00']")
+        if self.stale_reclaim_after < self.stale_after:
+            raise ValueError("stale_reclaim_after must not be shorter than stale_after")
+        return self
+
+
 class Settings(BaseSettings):
     """Everything a lowtide installation is configured with."""
 
@@ -152,8 +339,9 @@ class Settings(BaseSettings):
     auth: AuthConfig = Field(default_factory=AuthConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
-    #: Reserved for inference services and lending policies (the inference issue adds them).
-    services: list[dict[str, Any]] = Field(default_factory=list)
+    #: Inference services lowtide scales and lends from (none: every GPU is research's).
+    services: list[ServiceConfig] = Field(default_factory=list)
+    lending: LendingConfig = Field(default_factory=LendingConfig)
 
     @field_validator("tick_seconds", mode="before")
     @classmethod
@@ -163,13 +351,6 @@ class Settings(BaseSettings):
             raise ValueError("the tick must be between 0.05 s and 1 h")
         return seconds
 
-    @field_validator("services")
-    @classmethod
-    def _services(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        if v:
-            raise ValueError("inference services are not supported by this version of lowtide yet")
-        return v
-
     @model_validator(mode="after")
     def _unique_nodes(self) -> Settings:
         names = [n.name for n in self.nodes]
@@ -178,6 +359,32 @@ class Settings(BaseSettings):
             raise ValueError(f"nodes: duplicate node name(s): {', '.join(dupes)}")
         if not self.nodes:
             raise ValueError("nodes: declare at least one node")
+        return self
+
+    @model_validator(mode="after")
+    def _services_fit(self) -> Settings:
+        names = [s.name for s in self.services]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"services: duplicate service name(s): {', '.join(dupes)}")
+        largest = max(
+            (n.gpus if isinstance(n.gpus, int) else len(n.gpus) if isinstance(n.gpus, list) else 1024)
+            for n in self.nodes
+        )
+        used: dict[int, str] = {self.api.port: "api.port"} if self.api.port else {}
+        for i, svc in enumerate(self.services):
+            if svc.gpus_per_replica > largest:
+                raise ValueError(
+                    f"services[{i}].gpus_per_replica: {svc.gpus_per_replica} GPUs "
+                    f"but the largest node has {largest}"
+                )
+            ports = {p: f"services[{i}] replica {p - svc.base_port}" for p in svc.replica_ports()}
+            if svc.gateway_port is not None:
+                ports[svc.gateway_port] = f"services[{i}].gateway_port"
+            for port, what in ports.items():
+                if port in used:
+                    raise ValueError(f"{what}: port {port} is already used by {used[port]}")
+                used[port] = what
         return self
 
     @classmethod

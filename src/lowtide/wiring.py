@@ -12,6 +12,7 @@ import fcntl
 import logging
 import os
 import socket
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,17 +21,23 @@ from typing import TextIO
 from fastapi import FastAPI
 
 from lowtide.adapters.container import resolve_runtime
+from lowtide.adapters.gateway import GatewayRouter, GatewayServer
 from lowtide.adapters.gpu_discovery import GpuDiscoveryError, discover_gpus
 from lowtide.adapters.local_executor import LocalExecutor
+from lowtide.adapters.local_services import LocalServiceManager
+from lowtide.adapters.metrics_sources import PromQLSource, ScrapeSource
 from lowtide.adapters.storage import FsspecArtifacts
 from lowtide.adapters.templates import DirectoryTemplates
 from lowtide.api.app import ApiContext, create_app
 from lowtide.api.metrics import LoopStatus
-from lowtide.config import ConfigError, Settings
+from lowtide.config import ConfigError, ServiceConfig, Settings, parse_window
 from lowtide.control.clock import Clock, SystemClock
+from lowtide.control.inference import InferenceController, ServiceSetup
+from lowtide.control.inference_ports import MetricsSource
 from lowtide.control.loop import ControlLoop, LoopSettings
 from lowtide.domain.gpus import Node
 from lowtide.domain.layout import ArtifactLayout
+from lowtide.domain.services import AutoscaleTargets, LendingPolicy, ServiceSpec, TimeWindow
 from lowtide.policy.fairshare import FairSharePolicy
 from lowtide.policy.outcomes import RetryPolicy
 from lowtide.policy.scheduler import SchedulerPolicy
@@ -79,6 +86,8 @@ class Embedded:
     loop: ControlLoop
     app: FastAPI
     clock: Clock
+    inference: InferenceController | None = None
+    gateway: GatewayRouter | None = None
 
     def loop_status(self) -> LoopStatus:
         last = self.loop.last_tick
@@ -112,11 +121,13 @@ def build(settings: Settings, *, clock: Clock | None = None) -> Embedded:
         ),
         max_reservations=settings.scheduler.max_reservations,
     )
+    inference, router = build_inference(settings, nodes, store, store.instance_id())
     loop = ControlLoop(
         store=store,
         executor=executor,
         artifacts=artifacts,
         clock=clock,
+        inference=inference,
         settings=LoopSettings(
             nodes=nodes,
             layout=layout,
@@ -137,11 +148,141 @@ def build(settings: Settings, *, clock: Clock | None = None) -> Embedded:
         auth_enabled=settings.auth.enabled,
         container_runtime=runtime.engine if runtime else None,
         on_change=loop.wake,
+        inference=inference,
     )
     app = create_app(ctx)
-    embedded = Embedded(settings, nodes, store, executor, loop, app, clock)
+    embedded = Embedded(settings, nodes, store, executor, loop, app, clock, inference, router)
     ctx.loop_status = embedded.loop_status
     return embedded
+
+
+def service_spec(cfg: ServiceConfig) -> ServiceSpec:
+    a = cfg.autoscale
+    return ServiceSpec(
+        name=cfg.name,
+        model=cfg.model,
+        gpus_per_replica=cfg.gpus_per_replica,
+        min_replicas=cfg.min_replicas,
+        max_replicas=cfg.max_replicas,
+        headroom_replicas=cfg.headroom_replicas,
+        min_safe_replicas=cfg.min_replicas if cfg.min_safe_replicas is None else cfg.min_safe_replicas,
+        park=cfg.park,
+        startup_s=cfg.expected_startup,
+        wake_s=cfg.expected_wake,
+        autoscale=AutoscaleTargets(
+            concurrency_per_replica=a.concurrency_per_replica,
+            kv_usage=a.kv_usage,
+            generation_tokens_per_s_per_replica=a.generation_tokens_per_s_per_replica,
+            token_utilization=a.token_utilization,
+            ttft_p90_slo_s=a.ttft_p90_slo,
+            scale_up_window_s=a.scale_up_window,
+            scale_down_stabilization_s=a.scale_down_stabilization,
+            tolerance=a.tolerance,
+        ),
+    )
+
+
+def replica_command(cfg: ServiceConfig) -> tuple[str, ...]:
+    """The replica command template: configured, the emulator, or `vllm serve`."""
+    if cfg.command:
+        return tuple(cfg.command)
+    if cfg.emulate:
+        return (
+            "{python}",
+            "-m",
+            "lowtide",
+            "emulate",
+            "vllm",
+            "--port",
+            "{port}",
+            "--model",
+            "{model}",
+            "--gpus",
+            "{gpus}",
+            *cfg.emulator_args,
+        )
+    sleep = ("--enable-sleep-mode",) if cfg.park == "sleep" else ()
+    return ("vllm", "serve", "{model}", "--port", "{port}", "--tensor-parallel-size", "{gpus}", *sleep)
+
+
+def metrics_source(cfg: ServiceConfig) -> MetricsSource:
+    m = cfg.metrics
+    if m.source == "prometheus":
+        assert m.prometheus_url is not None  # validated by config
+        return PromQLSource(
+            m.prometheus_url,
+            selector=m.selector,
+            window_s=m.window,
+            stale_after_s=m.stale_after,
+            timeout_s=m.timeout,
+        )
+    return ScrapeSource(
+        timeout_s=m.timeout, window_s=m.window, stale_after_s=m.stale_after, frozen_after_s=m.frozen_after
+    )
+
+
+def lending_policy(settings: Settings) -> LendingPolicy:
+    lend = settings.lending
+    specs = [service_spec(s) for s in settings.services]
+    # Time to get GPUs back and a replica serving: a tick, the longest notice, the slowest unpark.
+    lead = settings.tick_seconds + max(
+        (s.reclaim_grace + spec.unpark_s for s, spec in zip(settings.services, specs, strict=True)),
+        default=0.0,
+    )
+    return LendingPolicy(
+        mode=lend.mode,
+        windows=tuple(TimeWindow(*parse_window(w)) for w in lend.windows),
+        timezone=lend.timezone,
+        reclaim_lead_s=lead,
+        stale_after_s=lend.stale_after,
+        stale_reclaim_after_s=lend.stale_reclaim_after,
+    )
+
+
+def build_inference(
+    settings: Settings, nodes: tuple[Node, ...], store: Store, instance_id: str
+) -> tuple[InferenceController | None, GatewayRouter | None]:
+    """The inference side, when there is anything for it to do (services, or lending rules)."""
+    if not settings.services and settings.lending.mode == "continuous":
+        return None, None
+    router = GatewayRouter() if any(s.gateway_port is not None for s in settings.services) else None
+    setups = tuple(
+        ServiceSetup(
+            spec=service_spec(cfg),
+            command=replica_command(cfg),
+            base_port=cfg.base_port,
+            env=dict(cfg.env),
+            python=sys.executable,
+            health_timeout_s=cfg.startup_timeout,
+            drain_timeout_s=cfg.drain_timeout,
+            work_root=str(Path(settings.state_dir) / "services"),
+        )
+        for cfg in settings.services
+    )
+    controller = InferenceController(
+        store=store,
+        manager=LocalServiceManager(instance_id),
+        sources={cfg.name: metrics_source(cfg) for cfg in settings.services},
+        gateway=router,
+        services=setups,
+        lending=lending_policy(settings),
+        nodes=nodes,
+    )
+    return controller, router
+
+
+def start_gateways(settings: Settings, router: GatewayRouter | None) -> GatewayServer | None:
+    if router is None:
+        return None
+    server = GatewayServer(router)
+    for cfg in settings.services:
+        if cfg.gateway_port is not None:
+            try:
+                server.start(cfg.name, settings.api.host, cfg.gateway_port)
+            except Exception as exc:
+                server.stop()
+                raise ServeError(f"services.{cfg.name}.gateway_port: {exc}") from exc
+    return server
 
 
 class ServeError(RuntimeError):
@@ -203,6 +344,12 @@ def serve(settings: Settings, *, announce: bool = True) -> None:
         created = ensure_admin_token(lt.store, settings.admin_token_path, lt.clock.now())
         if created and announce:
             log.warning("created an admin token in %s (mode 0600)", settings.admin_token_path)
+    try:
+        gateways = start_gateways(settings, lt.gateway)
+    except ServeError:
+        sock.close()
+        lock.close()
+        raise
     report = lt.loop.recover()
     if announce:
         log.info(
@@ -227,6 +374,10 @@ def serve(settings: Settings, *, announce: bool = True) -> None:
         running = len(lt.store.active_attempts())
         if running and announce:
             log.warning("%d step(s) keep running; the next `lowtide up` re-adopts them", running)
+        if gateways is not None:
+            gateways.stop()
+        if lt.inference is not None:
+            lt.inference.manager.close()
         lt.executor.close()
         lt.store.close()
         sock.close()

@@ -20,10 +20,12 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from lowtide import __version__
 from lowtide.api import schemas
+from lowtide.api import services as services_api
 from lowtide.api.auth import Principal, authenticate, require_admin, require_owner_or_admin, require_people
 from lowtide.api.errors import ApiError, install_error_handlers
 from lowtide.api.metrics import LoopStatus, metrics_text
 from lowtide.control.clock import Clock
+from lowtide.control.inference import InferenceController
 from lowtide.control.records import JobRecord, NewJob, NotFound
 from lowtide.domain.gpus import Node
 from lowtide.domain.ids import new_job_id
@@ -74,6 +76,7 @@ class ApiContext:
     max_body_bytes: int = MAX_SPEC_BYTES
     on_change: Callable[[], None] = lambda: None
     loop_status: Callable[[], LoopStatus | None] = lambda: None
+    inference: InferenceController | None = None
     log_poll_s: float = 0.25
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -377,6 +380,40 @@ def create_app(ctx: ApiContext) -> FastAPI:
             reported_at=now,
         )
 
+    # -- inference services --------------------------------------------------------------------
+
+    @v1.get("/services", response_model=services_api.ServicesOut, summary="Inference services and lending")
+    def list_services(who: Who) -> services_api.ServicesOut:
+        require_people(who)
+        inf = ctx.inference
+        if inf is None:
+            return services_api.ServicesOut(services=[], lending=None)
+        replicas = ctx.store.replicas()
+        env = inf.last.envelope if inf.last else None
+        return services_api.ServicesOut(
+            services=[
+                services_api.ServiceOut(**services_api.service_out(inf, n, replicas)) for n in inf.services
+            ],
+            lending=services_api.lending_out(inf.lending.mode, env),
+        )
+
+    @v1.get(
+        "/services/{name}",
+        response_model=services_api.ServiceDetailOut,
+        responses={404: {"model": schemas.ErrorOut}},
+        summary="One service: replicas, load, the last scaling decision and its event log",
+    )
+    def get_service(who: Who, name: str) -> services_api.ServiceDetailOut:
+        require_people(who)
+        inf = ctx.inference
+        if inf is None or name not in inf.services:
+            raise ApiError(
+                404, "not_found", f"service '{name}' not found", [("path.name", "unknown service")]
+            )
+        body = services_api.service_out(inf, name, ctx.store.replicas(name))
+        events = [services_api.event_out(e) for e in ctx.store.service_events(name, limit=200)]
+        return services_api.ServiceDetailOut(**body, events=events)
+
     # -- pool, tokens, identity ----------------------------------------------------------------
 
     @v1.get("/pool", response_model=schemas.PoolOut, summary="Every GPU and who holds it")
@@ -426,7 +463,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
 
     @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics (lowtide_*)")
     def metrics() -> Response:
-        body, content_type = metrics_text(ctx.store, ctx.nodes, ctx.loop_status())
+        body, content_type = metrics_text(ctx.store, ctx.nodes, ctx.loop_status(), ctx.inference)
         return Response(content=body, media_type=content_type)
 
     return app

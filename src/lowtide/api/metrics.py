@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from lowtide.control.inference import InferenceController
 from lowtide.domain.gpus import Node
-from lowtide.domain.states import ACTIVE_STEP_STATES, QUEUED_STEP_STATES, JobState, StepState
+from lowtide.domain.states import ACTIVE_STEP_STATES, QUEUED_STEP_STATES, JobState, ReplicaState, StepState
 from lowtide.store.repo import Store
 
 
@@ -25,7 +26,12 @@ class LoopStatus:
     queued_waiting: int
 
 
-def metrics_text(store: Store, nodes: tuple[Node, ...], loop: LoopStatus | None) -> tuple[bytes, str]:
+def metrics_text(
+    store: Store,
+    nodes: tuple[Node, ...],
+    loop: LoopStatus | None,
+    inference: InferenceController | None = None,
+) -> tuple[bytes, str]:
     counts = store.counts()
     reg = CollectorRegistry()
     jobs = Gauge("lowtide_jobs", "Jobs by state", ["state"], registry=reg)
@@ -56,4 +62,36 @@ def metrics_text(store: Store, nodes: tuple[Node, ...], loop: LoopStatus | None)
             Gauge("lowtide_loop_last_tick_timestamp_seconds", "When the last tick ran", registry=reg).set(
                 loop.last_tick_at
             )
+    if inference is not None:
+        _inference_metrics(reg, store, inference)
     return generate_latest(reg), CONTENT_TYPE_LATEST
+
+
+def _inference_metrics(reg: CollectorRegistry, store: Store, inference: InferenceController) -> None:
+    desired = Gauge(
+        "lowtide_service_desired_replicas", "Replicas the autoscaler wants", ["service"], registry=reg
+    )
+    needed = Gauge("lowtide_service_needed_replicas", "Replicas the load needs", ["service"], registry=reg)
+    replicas = Gauge("lowtide_service_replicas", "Replicas by state", ["service", "state"], registry=reg)
+    records = store.replicas()
+    for name in inference.services:
+        decision = inference.status[name].decision
+        if decision is not None:
+            desired.labels(name).set(decision.desired)
+            needed.labels(name).set(decision.needed)
+        for state in ReplicaState:
+            replicas.labels(name, state.value).set(
+                sum(r.service == name and r.state == state for r in records)
+            )
+    last = inference.last
+    if last is not None:
+        env = last.envelope
+        Gauge("lowtide_lendable_gpus", "GPUs research may hold now (the envelope)", registry=reg).set(
+            env.lendable_gpus
+        )
+        Gauge("lowtide_inference_claim_gpus", "GPUs inference keeps (claims + reserve)", registry=reg).set(
+            env.inference_claim_gpus
+        )
+        Gauge("lowtide_lending_open", "1 when new lending is allowed", registry=reg).set(
+            int(env.lending_open)
+        )

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import time
 from datetime import datetime
@@ -19,10 +18,13 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from lowtide.cli.client import ApiFailure, Client
+from lowtide.cli.emulate_cmd import emulate_app
+from lowtide.cli.loadgen_cmd import loadgen_app
+from lowtide.cli.metrics_cmd import metrics_app
+from lowtide.cli.output import console
 from lowtide.config import ConfigError, Settings, load_settings
 
 app = typer.Typer(
@@ -34,17 +36,13 @@ app = typer.Typer(
 )
 token_app = typer.Typer(help="Manage API tokens (admin).", no_args_is_help=True)
 app.add_typer(token_app, name="token")
+app.add_typer(metrics_app, name="metrics", help="Read vLLM /metrics the way lowtide does.")
+app.add_typer(emulate_app, name="emulate", help="Emulated inference servers for machines without GPUs.")
+app.add_typer(loadgen_app, name="loadgen")
 
 
-def _console(stderr: bool) -> Console:
-    # Rich falls back to 80 columns when output is not a terminal; ids would then be cut.
-    stream = sys.stderr if stderr else sys.stdout
-    width = None if stream.isatty() or os.environ.get("COLUMNS") else 160
-    return Console(stderr=stderr, highlight=False, width=width)
-
-
-out = _console(False)
-err = _console(True)
+out = console()
+err = console(stderr=True)
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 
 
@@ -180,6 +178,7 @@ def up(
     if overrides:
         settings = settings.model_copy(update=overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # health checks and scrapes: one line each
     err.print(f"lowtide listening on {settings.api.url} (state in {Path(settings.state_dir).resolve()})")
     if settings.auth.enabled:
         err.print(f"admin token: {settings.admin_token_path} (created on first start, mode 0600)")
@@ -492,6 +491,87 @@ def pool(as_json: JsonOpt = False) -> None:
                 _when(g["since"]) if g["since"] else "-",
             )
     out.print(table)
+
+
+@app.command()
+def services(
+    name: Annotated[str | None, typer.Argument(help="One service (default: all).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Inference services: replicas, load, scaling decisions and the lending envelope."""
+    client = _client()
+    if name is not None:
+        d = _call(client.json, "GET", f"/v1/services/{name}")
+        if as_json:
+            _print_json(d)
+            return
+        _print_service(d)
+        if d["signals"]:
+            sig = Table("REPLICA", "RUNNING", "WAITING", "KV", "GEN TOK/S", "TTFT P90", "STALE", title="load")
+            for g in d["signals"]:
+                sig.add_row(
+                    g["replica"],
+                    _num(g["running"]),
+                    _num(g["waiting"]),
+                    _pct(g["kv_usage"]),
+                    _num(g["generation_tokens_per_s"]),
+                    _secs(g["ttft_p90_s"]),
+                    g["stale_reason"] if g["stale"] else "-",
+                )
+            out.print(sig)
+        ev = Table("AT", "REPLICA", "EVENT", "MESSAGE", title="events")
+        for e in d["events"][-30:]:
+            ev.add_row(_when(e["at"]), e["replica_id"] or "-", e["kind"], e["message"])
+        out.print(ev)
+        return
+    data = _call(client.json, "GET", "/v1/services")
+    if as_json:
+        _print_json(data)
+        return
+    if not data["services"]:
+        out.print("no inference services are configured (see `services:` in lowtide.yaml)")
+    for svc in data["services"]:
+        _print_service(svc)
+    lending = data["lending"]
+    if lending:
+        state = "open" if lending["lending_open"] else "closed"
+        out.print(
+            f"[bold]lending[/bold] ({lending['mode']}, {state}): {lending['lendable_gpus']} GPU(s) lendable, "
+            f"{lending['inference_claim_gpus']} kept for inference"
+        )
+        for reason in lending["reasons"]:
+            out.print(f"  {reason}")
+        if lending["fail_safe"]:
+            out.print(f"  [red]fail safe:[/red] {lending['fail_safe']}")
+
+
+def _print_service(svc: dict[str, Any]) -> None:
+    out.print(
+        f"[bold]{svc['name']}[/bold] ({svc['model']}): desired {svc['desired']}, needed {svc['needed']}, "
+        f"target {svc['target']} of {svc['min_replicas']}..{svc['max_replicas']} "
+        f"× {svc['gpus_per_replica']} GPU(s)"
+    )
+    out.print(f"  {svc['reason']}")
+    if svc["blocked"]:
+        out.print(f"  [yellow]blocked:[/yellow] {svc['blocked']}")
+    table = Table("REPLICA", "STATE", "WHERE", "PORT", "SINCE", "MESSAGE")
+    for r in svc["replicas"]:
+        where = f"{r['node']}:{','.join(map(str, r['gpus']))}" if r["node"] else "-"
+        state = r["state"] + (f" ({r['parked_as']})" if r["parked_as"] else "")
+        table.add_row(r["id"], _state_style(state), where, str(r["port"]), _when(r["since"]), r["message"])
+    out.print(table)
+
+
+def _num(v: float | None) -> str:
+    return "?" if v is None else f"{v:.1f}" if v % 1 else str(int(v))
+
+
+def _pct(v: float | None) -> str:
+    return "?" if v is None else f"{100 * v:.0f}%"
+
+
+def _secs(v: float | None) -> str:
+    return "?" if v is None else f"{v:.2f}s"
 
 
 @token_app.command("create")

@@ -73,6 +73,14 @@ class ServiceManager(Protocol):
         """The replica's base URL while its process exists."""
         ...
 
+    def adopt(self, replica_id: str, launch: ReplicaLaunch, now: float) -> bool:
+        """Re-attach to a replica an earlier control plane started (True), or report it gone."""
+        ...
+
+    def reap_orphans(self, known_ids: set[str]) -> list[str]:
+        """Kill replica processes of this installation that no record knows; returns their ids."""
+        ...
+
     def close(self) -> None: ...
 
 

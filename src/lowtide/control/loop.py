@@ -5,6 +5,8 @@ snapshot: the store builds an immutable `Snapshot` with `now` from the injected 
 decide: `policy.scheduler.decide` (placement, fair share, backfill) and `policy.dag.advance`.
 act: book each start in the store first (so the next tick cannot double-book), then launch; a
 failed launch is classified and rolled forward as an attempt that ended.
+With inference services, `control.inference` runs inside the tick before the step decision and
+says which GPUs research may use (the lending envelope); everything else is unavailable to steps.
 
 Every item is handled on its own: one failing exit, notice or start is logged and costs that
 item only, never the tick. `recover()` runs once at start-up and re-adopts what an earlier
@@ -18,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from lowtide.control.clock import Clock
@@ -32,9 +34,10 @@ from lowtide.control.executor_port import (
     LaunchRequest,
     ProcessIdentity,
 )
+from lowtide.control.inference import InferenceController
 from lowtide.control.ports import ArtifactPort, StorePort
 from lowtide.control.records import AttemptLaunch, ExitContext, GpuBusy, NoticeDue, StaleState
-from lowtide.domain.gpus import Node
+from lowtide.domain.gpus import GpuRef, Node
 from lowtide.domain.layout import ArtifactLayout, is_remote, join_uri
 from lowtide.domain.states import AttemptState, StepState
 from lowtide.policy.dag import advance
@@ -97,12 +100,14 @@ class ControlLoop:
         artifacts: ArtifactPort,
         clock: Clock,
         settings: LoopSettings,
+        inference: InferenceController | None = None,
     ) -> None:
         self.store = store
         self.executor = executor
         self.artifacts = artifacts
         self.clock = clock
         self.settings = settings
+        self.inference = inference
         self._reasons: dict[tuple[str, str], str] = {}
         # Jobs whose steps changed since their DAG was last advanced (exits, failed launches).
         self._dirty_jobs: set[str] = set()
@@ -152,6 +157,11 @@ class ControlLoop:
                     self._on_lost(att.id, now)
             except Exception:
                 log.exception("recovery of attempt %s failed; will retry at next start", att.id)
+        if self.inference is not None:
+            try:
+                self.inference.recover(now)
+            except Exception:
+                log.exception("recovery of inference replicas failed; they restart as needed")
         killed = self.executor.reap_orphans(set(adopted))
         if killed:
             log.warning("killed orphaned step processes of unknown attempts: %s", killed)
@@ -188,6 +198,21 @@ class ControlLoop:
         snapshot = self.store.snapshot(
             now=now, nodes=self.settings.nodes, half_life_s=self.settings.scheduler.fair_share.half_life_s
         )
+        if self.inference is not None:
+            step_gpus = frozenset(GpuRef(r.node, g) for r in snapshot.running for g in r.gpus)
+            inference = self._guard(
+                report,
+                "inference",
+                lambda: self.inference.tick(now, step_gpus=step_gpus) if self.inference else None,
+                None,
+            )
+            # Without a fresh inference answer, lend nothing new this tick (fail safe).
+            unavailable = (
+                inference.unavailable
+                if inference is not None
+                else frozenset(g for n in self.settings.nodes for g in n.refs())
+            )
+            snapshot = replace(snapshot, unavailable=unavailable)
         plan = decide(snapshot, self.settings.scheduler)
         self.last_plan = plan
         for start in plan.starts:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lowtide.domain.spec import JobSpec, ResolvedStep
-from lowtide.domain.states import AttemptState, JobState, StepState
+from lowtide.domain.states import AttemptState, JobState, ReplicaState, StepState
 
 
 class StoreError(Exception):
@@ -203,3 +203,28 @@ class TokenRecord:
     attempt_id: int | None
     created_at: float
     revoked_at: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaRecord:
+    id: str
+    service: str
+    slot: int
+    state: ReplicaState
+    node: str | None
+    gpus: tuple[int, ...]
+    port: int
+    parked_as: str | None
+    since: float
+    failures: int
+    retry_at: float
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceEventRecord:
+    service: str
+    replica_id: str | None
+    at: float
+    kind: str
+    message: str

@@ -173,3 +173,37 @@ meta = sa.Table(
     sa.Column("key", sa.String(64), primary_key=True),
     sa.Column("value", sa.Text, nullable=False),
 )
+
+# Inference replicas: one row per service slot that ever had a replica. GPUs are held in the
+# ledger (holder_kind "replica") while the replica is in a GPU-holding state.
+replicas = sa.Table(
+    "replicas",
+    metadata,
+    sa.Column("id", sa.String(80), primary_key=True),  # "<service>/<slot>"
+    sa.Column("service", sa.String(63), nullable=False),
+    sa.Column("slot", sa.Integer, nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("node", sa.String(63)),
+    sa.Column("gpus", sa.JSON, nullable=False),
+    sa.Column("port", sa.Integer, nullable=False),
+    sa.Column("parked_as", sa.String(8)),  # sleep | stop, while PARKED
+    sa.Column("since", Time, nullable=False),
+    sa.Column("failures", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("retry_at", Time, nullable=False, server_default="0"),
+    sa.Column("message", sa.Text, nullable=False, server_default=""),
+    sa.Index(None, "service"),
+)
+
+# What happened to services and replicas, with times: starts, health, drains, parks, failures,
+# scale decisions. The inference side's counterpart of `events`.
+service_events = sa.Table(
+    "service_events",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("service", sa.String(63), nullable=False),
+    sa.Column("replica_id", sa.String(80)),
+    sa.Column("at", Time, nullable=False),
+    sa.Column("kind", sa.String(32), nullable=False),
+    sa.Column("message", sa.Text, nullable=False),
+    sa.Index(None, "service", "at"),
+)

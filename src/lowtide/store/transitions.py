@@ -1,4 +1,4 @@
-"""The one writer of job, step and attempt states: guarded ``UPDATE ... WHERE state = :expected``.
+"""The one writer of job, step, attempt and replica states: guarded ``UPDATE ... WHERE state = :expected``.
 
 Each function first checks the move against the domain's transition table (an illegal move
 raises `IllegalTransition` before any SQL), then updates only if the row is still in the
@@ -18,12 +18,14 @@ from lowtide.control.records import StaleState
 from lowtide.domain.states import (
     ATTEMPT_LIFECYCLE,
     JOB_LIFECYCLE,
+    REPLICA_LIFECYCLE,
     STEP_LIFECYCLE,
     AttemptState,
     JobState,
+    ReplicaState,
     StepState,
 )
-from lowtide.store.schema import attempts, jobs, steps
+from lowtide.store.schema import attempts, jobs, replicas, steps
 
 
 def move_job(conn: Connection, job_id: str, expected: JobState, target: JobState, **values: Any) -> None:
@@ -82,3 +84,16 @@ def move_attempt(
         raise StaleState(
             f"attempt {attempt_id}: not in {[s.value for s in sources]}, cannot move to {target}"
         )
+
+
+def move_replica(
+    conn: Connection, replica_id: str, expected: ReplicaState, target: ReplicaState, **values: Any
+) -> None:
+    REPLICA_LIFECYCLE.check(expected, target)
+    result = conn.execute(
+        sa.update(replicas)
+        .where(replicas.c.id == replica_id, replicas.c.state == expected.value)
+        .values(state=target.value, **values)
+    )
+    if result.rowcount != 1:
+        raise StaleState(f"replica {replica_id}: expected {expected}, cannot move to {target}")

@@ -1,0 +1,380 @@
+"""The gateway's ASGI application: one per service, proxying OpenAI-style requests to a replica.
+
+Routes:
+- `/v1/...` (every method): forwarded to the backend `GatewayRouter.acquire` picks (fewest
+  requests in flight). Only `/v1/` is proxied: a replica's management endpoints (`/sleep`,
+  `/wake_up`, `/metrics`, `/health`, ...) stay out of the clients' reach.
+- `/health`: 200 while the service has at least one live backend, else 503 (for load balancers).
+- `/metrics`: the gateway's own Prometheus metrics for this service (see `GatewayMetrics`).
+- anything else: 404 with an OpenAI-style error.
+
+Forwarding. The request body is buffered (bodies are small JSON; at most `max_body_bytes`, else
+413), hop-by-hop headers and `host`/`content-length` are dropped and `x-forwarded-for` is added.
+The response is streamed through chunk by chunk as the backend produces it (`aiter_raw`: no
+re-encoding, no buffering), with its status and headers (minus hop-by-hop ones) and an
+`x-lowtide-replica` header naming the replica that served it.
+
+Failures:
+- connection refused or connect timeout: nothing reached the backend (no TCP connection was
+  established, so not one byte of the request was delivered), hence retrying on another replica is
+  safe even for a non-idempotent POST: each live replica is tried at most once per request.
+- no replica left (none live, or all refused): 503
+  `{"error": {"message": ..., "type": "service_unavailable", "code": 503}}` with `retry-after`.
+- the backend fails after the request was sent but before answering: 502 (`bad_gateway`); no
+  answer within the read timeout: 504 (`gateway_timeout`). Neither is retried: the backend may
+  have acted on the request.
+- the backend fails mid-response (dies, or stalls past the read timeout): an SSE stream gets one
+  last event `data: {"error": {..., "type": "upstream_error", "code": 502}}`, then the connection
+  is closed without the terminating chunk (the app returns with the response incomplete, and
+  uvicorn closes the connection), so no client can mistake the cut stream for a complete one.
+  A non-SSE body is cut the same way.
+- the client goes away: a watcher task sees `http.disconnect` and cancels the forwarding, which
+  closes the upstream connection, so vLLM aborts the generation instead of finishing it for
+  nobody. Counted with `code="499"`.
+- shutdown: `GatewayServer.stop` lets requests in flight finish for a grace period, then calls
+  `cut_all`: a request that has sent nothing yet gets a 503, a stream a last SSE error event,
+  and the connection is closed (rather than uvicorn cancelling each one with a traceback).
+
+Keep-alive: the shared `httpx.AsyncClient` should expire idle connections before the backends do
+(vLLM/uvicorn close idle ones after 5 s; `GatewayTimeouts.keepalive_s` defaults to 2 s), or a
+request may race the backend closing the connection it was sent on (a 502 on a healthy replica).
+
+Neighbours: `gateway_router` (choice, in-flight counts, metrics), `gateway` (runs this app under
+uvicorn and owns the client). Must not: choose backends itself, block the event loop, or read
+more of a request than `max_body_bytes`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from lowtide.adapters.gateway_router import NO_REPLICA, GatewayRouter, Pick
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+
+# RFC 9110 §7.6.1: meaningful for one connection only; never forwarded by a proxy.
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+# httpx sets these itself from the URL and the buffered body.
+_NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
+
+
+class _Exchange:
+    """One proxied request in flight: what the client was sent so far, and why it may be cut short."""
+
+    __slots__ = ("client_gone", "code", "cut", "done", "replica", "sse", "started", "task")
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task = task
+        self.code = 0  # the status the client got (499: it went away first)
+        self.replica = NO_REPLICA
+        self.started = False  # response headers sent
+        self.sse = False
+        self.done = False  # last body message sent
+        self.client_gone = False
+        self.cut = False  # cut by `cut_all` at shutdown
+
+
+@dataclass(frozen=True, slots=True)
+class _Forward:
+    method: str
+    target: str  # raw path and query, e.g. /v1/models?x=1
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+
+class GatewayApp:
+    """The ASGI app of one service. `client` is the gateway's shared `httpx.AsyncClient`."""
+
+    def __init__(
+        self,
+        service: str,
+        router: GatewayRouter,
+        client: httpx.AsyncClient,
+        *,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ) -> None:
+        self.service = service
+        self.router = router
+        self.client = client
+        self.max_body_bytes = max_body_bytes
+        self._metrics = router.metrics
+        self._metrics.no_backend.labels(service)  # exported at 0 from the start, so rate() has a series
+        self._exchanges: set[_Exchange] = set()
+
+    def in_flight(self) -> int:
+        """Requests this app is proxying now."""
+        return len(self._exchanges)
+
+    def cut_all(self) -> int:
+        """Cut every request still in flight (at shutdown, once the grace is over); returns how many.
+        Must run on the app's event loop. A cut request that has sent nothing yet gets a 503; a
+        stream gets a last SSE error event; then the connection is closed."""
+        cut = 0
+        for exchange in list(self._exchanges):
+            if not exchange.done and not exchange.cut:
+                exchange.cut = True
+                exchange.task.cancel()
+                cut += 1
+        return cut
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":  # lifespan is off; websockets are not served
+            return
+        path: str = scope["path"]
+        if path.startswith("/v1/"):
+            await self._proxy(scope, receive, send)
+        elif path == "/health":
+            count = len(self.router.backends(self.service))
+            status = "ok" if count else "no_backend"
+            await _send_json(
+                send, 200 if count else 503, {"status": status, "service": self.service, "backends": count}
+            )
+        elif path == "/metrics":
+            body = self._metrics.text(self.service)
+            await _send(send, 200, [(b"content-type", CONTENT_TYPE_LATEST.encode())], body)
+        else:
+            await _send_error(send, 404, "not_found", f"no route {path}: the gateway serves /v1/...")
+
+    # -- proxying ---------------------------------------------------------------------------------
+
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = time.perf_counter()
+        try:
+            body = await _read_body(receive, self.max_body_bytes)
+        except _TooLarge:
+            self._metrics.requests.labels(self.service, NO_REPLICA, "413").inc()
+            await _send_error(
+                send, 413, "invalid_request_error", f"request body over {self.max_body_bytes} bytes"
+            )
+            return
+        if body is None:  # the client left before sending its whole request: nothing to count
+            return
+        forward = _Forward(scope["method"], _target(scope), _request_headers(scope), body)
+        task = asyncio.current_task()
+        assert task is not None  # always inside a task under uvicorn
+        exchange = _Exchange(task)
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            # uvicorn also answers http.disconnect once the response is complete: not a hang-up.
+            if not exchange.done:
+                exchange.client_gone = True
+                task.cancel()
+
+        async def tracked_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                exchange.started, exchange.code = True, message["status"]
+                exchange.sse = any(
+                    name == b"content-type" and value.startswith(b"text/event-stream")
+                    for name, value in message.get("headers", ())
+                )
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                exchange.done = True
+
+        self._exchanges.add(exchange)
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await self._forward(forward, tracked_send, exchange)
+        except asyncio.CancelledError:
+            if not (exchange.client_gone or exchange.cut) or task.uncancel() > 0:
+                raise  # cancelled by someone else (uvicorn's own shutdown timeout): let it through
+            if exchange.client_gone:
+                exchange.code = 499
+            else:
+                await self._send_cut(tracked_send, exchange)
+        finally:
+            exchange.done = True
+            self._exchanges.discard(exchange)
+            watcher.cancel()
+            self._metrics.requests.labels(self.service, exchange.replica, str(exchange.code)).inc()
+            self._metrics.duration.labels(self.service).observe(time.perf_counter() - started)
+
+    async def _send_cut(self, send: Send, exchange: _Exchange) -> None:
+        message = f"the gateway of {self.service!r} is shutting down"
+        if not exchange.started:
+            await _send_error(send, 503, "service_unavailable", message)
+        elif exchange.sse:
+            event = b"data: " + _error_body(503, "service_unavailable", message) + b"\n\n"
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        # else: the body is left incomplete and uvicorn closes the connection
+
+    async def _forward(self, forward: _Forward, send: Send, exchange: _Exchange) -> None:
+        refused: list[str] = []
+        while True:
+            pick = self.router.acquire(self.service, refused)
+            if pick is None:
+                self._metrics.no_backend.labels(self.service).inc()
+                exchange.replica = NO_REPLICA
+                reason = (
+                    f"no replica of {self.service!r} accepted a connection (tried {', '.join(refused)})"
+                    if refused
+                    else f"service {self.service!r} has no replica serving now"
+                )
+                await _send_error(send, 503, "service_unavailable", reason, [(b"retry-after", b"1")])
+                return
+            exchange.replica = pick.replica_id
+            try:
+                if await self._attempt(pick, forward, send):
+                    return
+            finally:
+                self.router.release(self.service, pick.replica_id)
+            refused.append(pick.replica_id)
+
+    async def _attempt(self, pick: Pick, forward: _Forward, send: Send) -> bool:
+        """Serve the request from `pick`; False when it could not even connect (try another)."""
+        request = self.client.build_request(
+            forward.method, pick.url + forward.target, headers=forward.headers, content=forward.body or None
+        )
+        try:
+            upstream = await self.client.send(request, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            kind = "connect" if isinstance(exc, httpx.ConnectError) else "connect_timeout"
+            self._upstream_error(pick, kind, exc)
+            self.router.connect_failed(self.service, pick.replica_id)
+            return False
+        except httpx.TimeoutException as exc:
+            self._upstream_error(pick, "timeout", exc)
+            message = f"replica {pick.replica_id} did not answer in time ({type(exc).__name__})"
+            await _send_error(send, 504, "gateway_timeout", message)
+            return True
+        except httpx.HTTPError as exc:
+            self._upstream_error(pick, "protocol", exc)
+            await _send_error(send, 502, "bad_gateway", f"replica {pick.replica_id} failed: {exc!r}")
+            return True
+
+        try:
+            headers = _response_headers(upstream.headers.raw)
+            headers.append((b"x-lowtide-replica", pick.replica_id.encode()))
+            await send({"type": "http.response.start", "status": upstream.status_code, "headers": headers})
+            try:
+                async for chunk in upstream.aiter_raw():
+                    if chunk:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except httpx.HTTPError as exc:
+                self._upstream_error(pick, "stream", exc)
+                if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                    event = _error_body(
+                        502, "upstream_error", f"replica {pick.replica_id} failed mid-stream: {exc!r}"
+                    )
+                    await send(
+                        {"type": "http.response.body", "body": b"data: " + event + b"\n\n", "more_body": True}
+                    )
+                return True  # response left incomplete on purpose: the client's connection is closed
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return True
+        finally:
+            await upstream.aclose()
+
+    def _upstream_error(self, pick: Pick, kind: str, exc: BaseException) -> None:
+        self._metrics.upstream_errors.labels(self.service, pick.replica_id, kind).inc()
+        log.warning("gateway %s: replica %s (%s): %s: %r", self.service, pick.replica_id, pick.url, kind, exc)
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body, or None when the client disconnected first."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk: bytes = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _TooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _target(scope: Scope) -> str:
+    raw: bytes | None = scope.get("raw_path")
+    path = raw.decode("latin-1") if raw else scope["path"]
+    query: bytes = scope.get("query_string", b"")
+    return f"{path}?{query.decode('latin-1')}" if query else path
+
+
+def _connection_tokens(headers: list[tuple[bytes, bytes]]) -> set[bytes]:
+    """Header names a `connection` header declares hop-by-hop as well."""
+    return {
+        token.strip().lower()
+        for name, value in headers
+        if name.lower() == b"connection"
+        for token in value.split(b",")
+    }
+
+
+def _request_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
+    raw: list[tuple[bytes, bytes]] = scope["headers"]
+    dropped = _NOT_FORWARDED | _connection_tokens(raw)
+    headers = [(name, value) for name, value in raw if name.lower() not in dropped]
+    client = scope.get("client")
+    if client:
+        prior = [value for name, value in headers if name == b"x-forwarded-for"]
+        headers = [(name, value) for name, value in headers if name != b"x-forwarded-for"]
+        headers.append((b"x-forwarded-for", b", ".join([*prior, str(client[0]).encode()])))
+    return headers
+
+
+def _response_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    dropped = HOP_BY_HOP | _connection_tokens(raw)
+    return [(name.lower(), value) for name, value in raw if name.lower() not in dropped]
+
+
+def _error_body(code: int, kind: str, message: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": kind, "code": code}}).encode()
+
+
+async def _send(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+    headers = [*headers, (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _send_json(send: Send, status: int, payload: object) -> None:
+    await _send(send, status, [(b"content-type", b"application/json")], json.dumps(payload).encode())
+
+
+async def _send_error(
+    send: Send, status: int, kind: str, message: str, extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    """An OpenAI-style error: `{"error": {"message": ..., "type": ..., "code": status}}`."""
+    headers = [(b"content-type", b"application/json"), *(extra or [])]
+    await _send(send, status, headers, _error_body(status, kind, message))

@@ -1,0 +1,171 @@
+"""The inference side of the REST API: services, their replicas and load, and the lending envelope.
+
+`GET /v1/services` and `GET /v1/services/{name}` read the replica rows from the store and the
+latest decisions from the control loop's `InferenceController` (embedded mode: same process).
+Must not: start, park or scale anything (the loop does).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from lowtide.control.inference import InferenceController, ServiceStatus
+from lowtide.control.records import ReplicaRecord, ServiceEventRecord
+from lowtide.domain.metrics import ReplicaSignals
+from lowtide.policy.lending import Envelope
+
+
+class ReplicaOut(BaseModel):
+    id: str
+    slot: int
+    state: str
+    node: str | None
+    gpus: list[int]
+    port: int
+    parked_as: str | None
+    since: float
+    failures: int
+    retry_at: float
+    message: str
+
+
+class SignalsOut(BaseModel):
+    replica: str
+    running: float | None
+    waiting: float | None
+    kv_usage: float | None
+    generation_tokens_per_s: float | None
+    prompt_tokens_per_s: float | None
+    ttft_p90_s: float | None
+    e2e_p90_s: float | None
+    stale: bool
+    stale_reason: str
+
+
+class ServiceOut(BaseModel):
+    name: str
+    model: str
+    gpus_per_replica: int
+    min_replicas: int
+    max_replicas: int
+    park: str
+    desired: int | None = Field(description="replicas the autoscaler wants (needed + headroom)")
+    needed: int | None
+    target: int = Field(description="desired, raised to what the lending fail safe claims")
+    recommendation: int | None
+    per_signal: dict[str, int | None]
+    reason: str
+    guard: str | None
+    unknown: bool
+    blocked: str = Field(description="why wanted replicas could not start this tick")
+    fresh_at: float | None
+    source_error: str | None
+    signals: list[SignalsOut]
+    replicas: list[ReplicaOut]
+
+
+class LendingOut(BaseModel):
+    mode: str
+    lendable_gpus: int
+    inference_claim_gpus: int
+    reserve_gpus: int
+    lending_open: bool
+    return_by: float | None
+    fail_safe: str | None
+    reasons: list[str]
+
+
+class ServicesOut(BaseModel):
+    services: list[ServiceOut]
+    lending: LendingOut | None
+
+
+class ServiceEventOut(BaseModel):
+    at: float
+    replica_id: str | None
+    kind: str
+    message: str
+
+
+class ServiceDetailOut(ServiceOut):
+    events: list[ServiceEventOut]
+
+
+def replica_out(r: ReplicaRecord) -> ReplicaOut:
+    return ReplicaOut(
+        id=r.id,
+        slot=r.slot,
+        state=r.state.value,
+        node=r.node,
+        gpus=list(r.gpus),
+        port=r.port,
+        parked_as=r.parked_as,
+        since=r.since,
+        failures=r.failures,
+        retry_at=r.retry_at,
+        message=r.message,
+    )
+
+
+def signals_out(s: ReplicaSignals) -> SignalsOut:
+    return SignalsOut(
+        replica=s.replica,
+        running=s.running,
+        waiting=s.waiting,
+        kv_usage=s.kv_usage,
+        generation_tokens_per_s=s.generation_tokens_per_s,
+        prompt_tokens_per_s=s.prompt_tokens_per_s,
+        ttft_p90_s=s.ttft_p90_s,
+        e2e_p90_s=s.e2e_p90_s,
+        stale=s.stale,
+        stale_reason=s.stale_reason,
+    )
+
+
+def service_out(inference: InferenceController, name: str, replicas: list[ReplicaRecord]) -> dict[str, Any]:
+    setup = inference.services[name]
+    spec = setup.spec
+    status: ServiceStatus = inference.status[name]
+    d = status.decision
+    return {
+        "name": name,
+        "model": spec.model,
+        "gpus_per_replica": spec.gpus_per_replica,
+        "min_replicas": spec.min_replicas,
+        "max_replicas": spec.max_replicas,
+        "park": spec.park,
+        "desired": d.desired if d else None,
+        "needed": d.needed if d else None,
+        "target": status.target,
+        "recommendation": d.recommendation if d else None,
+        "per_signal": dict(d.per_signal) if d else {},
+        "reason": d.reason if d else "no decision yet",
+        "guard": d.guard if d else None,
+        "unknown": d.unknown if d else True,
+        "blocked": status.blocked,
+        "fresh_at": status.fresh_at,
+        "source_error": status.signals.source_error if status.signals else None,
+        "signals": [signals_out(s) for s in status.signals.replicas] if status.signals else [],
+        "replicas": [replica_out(r) for r in replicas if r.service == name],
+    }
+
+
+def lending_out(mode: str, env: Envelope | None) -> LendingOut | None:
+    if env is None:
+        return None
+    return LendingOut(
+        mode=mode,
+        lendable_gpus=env.lendable_gpus,
+        inference_claim_gpus=env.inference_claim_gpus,
+        reserve_gpus=env.reserve_gpus,
+        lending_open=env.lending_open,
+        return_by=env.return_by,
+        fail_safe=env.fail_safe,
+        reasons=list(env.reasons),
+    )
+
+
+def event_out(e: ServiceEventRecord) -> ServiceEventOut:
+    return ServiceEventOut(at=e.at, replica_id=e.replica_id, kind=e.kind, message=e.message)

@@ -1,0 +1,231 @@
+"""Which replicas to start, wake, drain and park so that each service has its desired count, and
+which free GPUs research may use (pure).
+
+Per service, given the desired replica count (from `policy.autoscale`):
+- too few (serving + starting + waking < desired): first take back a replica that is draining;
+  then wake a sleeping replica whose GPUs are all free (seconds); then start one (a stopped, failed
+  past its retry time, or never-started slot) on a best-fit free block of `gpus_per_replica` GPUs
+  on one node. What cannot be placed is reported as blocked, with the reason.
+- too many: drain the serving replica with the fewest requests in flight (highest slot on ties):
+  it leaves the gateway first; a draining replica is parked (`spec.park`: sleep or stop) once it
+  has nothing in flight or its drain timeout has passed.
+Research GPUs (`research_gpus`): the envelope says how many GPUs may be lent; lowtide offers that
+many free GPUs, preferring GPUs no sleeping replica will want back, then whole nodes.
+Neighbours: `control.inference` builds the views and applies the plan. Must not: read the clock
+(`now` is passed), do I/O, or decide how many replicas a service needs (autoscale does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from lowtide.domain.gpus import GpuRef, Node
+from lowtide.domain.services import ParkMode, ServiceSpec
+from lowtide.domain.states import SUPPLY_REPLICA_STATES, ReplicaState
+
+R = ReplicaState
+ActionKind = Literal["start", "wake", "drain", "undrain", "park"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    id: str
+    service: str
+    slot: int
+    state: ReplicaState | None  # None: this slot never had a replica
+    node: str | None = None
+    gpus: tuple[int, ...] = ()
+    parked_as: ParkMode | None = None  # how a PARKED replica is parked
+    since: float = 0.0  # when it entered its state
+    retry_at: float = 0.0  # a FAILED replica is not restarted before this
+    in_flight: int = 0  # requests the gateway still has on it
+
+    @property
+    def gpu_refs(self) -> tuple[GpuRef, ...]:
+        return tuple(GpuRef(self.node, i) for i in self.gpus) if self.node else ()
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceView:
+    spec: ServiceSpec
+    desired: int
+    replicas: tuple[ReplicaView, ...]  # one per slot, 0 .. max_replicas-1
+    drain_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaAction:
+    kind: ActionKind
+    replica_id: str
+    service: str
+    node: str | None = None
+    gpus: tuple[int, ...] = ()
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Blocked:
+    service: str
+    missing: int  # replicas the service wants but could not get this tick
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaPlan:
+    actions: tuple[ReplicaAction, ...] = ()
+    blocked: tuple[Blocked, ...] = ()
+
+
+def plan_replicas(
+    services: Iterable[ServiceView], nodes: tuple[Node, ...], busy: frozenset[GpuRef], now: float
+) -> ReplicaPlan:
+    """`busy`: GPUs held right now by anything (steps, replicas). Services are served in the
+    order given (the caller orders them: e.g. by how far below their desired count they are)."""
+    free: dict[str, list[int]] = {n.name: [i for i in n.gpus if GpuRef(n.name, i) not in busy] for n in nodes}
+    actions: list[ReplicaAction] = []
+    blocked: list[Blocked] = []
+    for svc in services:
+        _plan_service(svc, free, nodes, now, actions, blocked)
+    return ReplicaPlan(tuple(actions), tuple(blocked))
+
+
+def _plan_service(
+    svc: ServiceView,
+    free: dict[str, list[int]],
+    nodes: tuple[Node, ...],
+    now: float,
+    actions: list[ReplicaAction],
+    blocked: list[Blocked],
+) -> None:
+    spec = svc.spec
+    supply = [r for r in svc.replicas if r.state in SUPPLY_REPLICA_STATES]
+    draining = sorted(
+        (r for r in svc.replicas if r.state == R.DRAINING), key=lambda r: (-r.in_flight, r.slot)
+    )
+    missing = svc.desired - len(supply)
+
+    # Park what has drained (whether or not more replicas are needed: undrain comes first below).
+    if missing <= 0:
+        for r in draining:
+            if r.in_flight == 0 or now - r.since >= svc.drain_timeout_s:
+                why = "drained" if r.in_flight == 0 else f"drain timeout ({r.in_flight} still in flight)"
+                actions.append(
+                    ReplicaAction("park", r.id, spec.name, r.node, r.gpus, f"{why}; park: {spec.park}")
+                )
+
+    if missing > 0:
+        for r in draining[:missing]:
+            actions.append(
+                ReplicaAction("undrain", r.id, spec.name, r.node, r.gpus, "needed again while draining")
+            )
+            missing -= 1
+    if missing > 0:
+        missing = _bring_up(svc, missing, free, nodes, now, actions, blocked)
+    elif missing < 0:
+        serving = sorted(
+            (r for r in svc.replicas if r.state == R.SERVING), key=lambda r: (r.in_flight, -r.slot)
+        )
+        for r in serving[:-missing]:
+            actions.append(
+                ReplicaAction(
+                    "drain",
+                    r.id,
+                    spec.name,
+                    r.node,
+                    r.gpus,
+                    f"{len(supply)} replicas, {svc.desired} desired: drain before parking",
+                )
+            )
+
+
+def _bring_up(
+    svc: ServiceView,
+    missing: int,
+    free: dict[str, list[int]],
+    nodes: tuple[Node, ...],
+    now: float,
+    actions: list[ReplicaAction],
+    blocked: list[Blocked],
+) -> int:
+    spec = svc.spec
+    g = spec.gpus_per_replica
+    reasons: list[str] = []
+    asleep = [r for r in svc.replicas if r.state == R.PARKED and r.parked_as == "sleep"]
+    for r in sorted(asleep, key=lambda r: r.slot):
+        if missing == 0:
+            break
+        if r.node is not None and all(i in free.get(r.node, []) for i in r.gpus):
+            _take(free, r.node, r.gpus)
+            actions.append(ReplicaAction("wake", r.id, spec.name, r.node, r.gpus, "wake from sleep (fast)"))
+            missing -= 1
+        else:
+            reasons.append(f"{r.id} sleeps on {r.node} GPUs {_gpus(r.gpus)}, which are in use")
+    startable = [
+        r
+        for r in svc.replicas
+        if r.state is None
+        or (r.state == R.PARKED and r.parked_as != "sleep")
+        or (r.state == R.FAILED and r.retry_at <= now)
+    ]
+    waiting_retry = [r for r in svc.replicas if r.state == R.FAILED and r.retry_at > now]
+    for r in sorted(startable, key=lambda r: (r.state is None, r.slot)):
+        if missing == 0:
+            break
+        node = _best_fit(free, nodes, g)
+        if node is None:
+            largest = max((len(v) for v in free.values()), default=0)
+            reasons.append(f"needs {g} GPUs on one node; largest free block is {largest}")
+            break
+        gpus = tuple(sorted(free[node])[:g])
+        _take(free, node, gpus)
+        verb = "restart after failure" if r.state == R.FAILED else "start"
+        actions.append(
+            ReplicaAction("start", r.id, spec.name, node, gpus, f"{verb} on {node} GPUs {_gpus(gpus)}")
+        )
+        missing -= 1
+    if missing > 0:
+        if waiting_retry and not reasons:
+            first = min(r.retry_at for r in waiting_retry)
+            reasons.append(f"{len(waiting_retry)} failed replica(s) retry in {max(0.0, first - now):.0f}s")
+        if not reasons:
+            reasons.append("no replica slot left (max_replicas reached)")
+        blocked.append(Blocked(spec.name, missing, "; ".join(dict.fromkeys(reasons))))
+    return missing
+
+
+def _best_fit(free: Mapping[str, list[int]], nodes: tuple[Node, ...], g: int) -> str | None:
+    fits = [(len(free[n.name]), n.name) for n in nodes if len(free[n.name]) >= g]
+    return min(fits)[1] if fits else None
+
+
+def _take(free: dict[str, list[int]], node: str, gpus: Iterable[int]) -> None:
+    taken = set(gpus)
+    free[node] = [i for i in free[node] if i not in taken]
+
+
+def _gpus(gpus: Iterable[int]) -> str:
+    return ",".join(str(i) for i in gpus)
+
+
+def research_gpus(
+    nodes: tuple[Node, ...],
+    *,
+    busy: frozenset[GpuRef],
+    reserved: frozenset[GpuRef],
+    affinity: frozenset[GpuRef],
+    new_lendable: int,
+) -> frozenset[GpuRef]:
+    """The free GPUs research may take now: at most `new_lendable` of them (the envelope minus
+    what is already lent), never a `busy` or `reserved` one (booked for a replica this tick).
+    GPUs that a sleeping replica will want back (`affinity`) are offered last; among the rest,
+    nodes with the most free GPUs first (so research gets whole blocks), lowest index first."""
+    if new_lendable <= 0:
+        return frozenset()
+    candidates = [g for n in nodes for g in n.refs() if g not in busy and g not in reserved]
+    per_node: dict[str, int] = {}
+    for g in candidates:
+        per_node[g.node] = per_node.get(g.node, 0) + 1
+    candidates.sort(key=lambda g: (g in affinity, -per_node[g.node], g.node, g.index))
+    return frozenset(candidates[:new_lendable])

@@ -1,0 +1,164 @@
+"""The inference side of the store: replica rows, their guarded state moves, their GPUs in the
+ledger, the service event log, and small persisted values (the forecast profile).
+
+A replica's GPUs are booked in the ledger (holder_kind "replica") when it starts or wakes, and
+released when it leaves the GPU-holding states (parked, failed). Neighbours: `control.inference`
+drives it; `api` reads it. Must not: decide anything (policy does) or read the clock.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import Connection
+
+from lowtide.control.records import NotFound, ReplicaRecord, ServiceEventRecord
+from lowtide.domain.gpus import GpuRef
+from lowtide.domain.states import GPU_HOLDING_REPLICA_STATES, ReplicaState
+from lowtide.store import ledger
+from lowtide.store.base import StoreBase
+from lowtide.store.schema import meta, replicas, service_events
+from lowtide.store.transitions import move_replica
+
+
+def _record(r: Any) -> ReplicaRecord:
+    return ReplicaRecord(
+        id=r.id,
+        service=r.service,
+        slot=r.slot,
+        state=ReplicaState(r.state),
+        node=r.node,
+        gpus=tuple(r.gpus),
+        port=r.port,
+        parked_as=r.parked_as,
+        since=r.since,
+        failures=r.failures,
+        retry_at=r.retry_at,
+        message=r.message,
+    )
+
+
+def insert_service_event(
+    conn: Connection, service: str, replica_id: str | None, at: float, kind: str, message: str
+) -> None:
+    conn.execute(
+        sa.insert(service_events).values(
+            service=service, replica_id=replica_id, at=at, kind=kind, message=message
+        )
+    )
+
+
+class ReplicasRepo(StoreBase):
+    def replicas(self, service: str | None = None) -> list[ReplicaRecord]:
+        q = sa.select(replicas).order_by(replicas.c.service, replicas.c.slot)
+        if service is not None:
+            q = q.where(replicas.c.service == service)
+        with self._read() as conn:
+            return [_record(r) for r in conn.execute(q).all()]
+
+    def replica(self, replica_id: str) -> ReplicaRecord:
+        with self._read() as conn:
+            row = conn.execute(sa.select(replicas).where(replicas.c.id == replica_id)).first()
+        if row is None:
+            raise NotFound(f"replica '{replica_id}' not found")
+        return _record(row)
+
+    def begin_replica(
+        self,
+        *,
+        replica_id: str,
+        service: str,
+        slot: int,
+        port: int,
+        node: str,
+        gpus: tuple[int, ...],
+        wake: bool,
+        now: float,
+        reason: str,
+    ) -> ReplicaRecord:
+        """Book the GPUs and move the slot to STARTING (or WAKING when `wake`), in one transaction.
+        Raises GpuBusy if a GPU is taken and StaleState if the replica moved meanwhile."""
+        target = ReplicaState.WAKING if wake else ReplicaState.STARTING
+        with self._write() as conn:
+            row = conn.execute(sa.select(replicas).where(replicas.c.id == replica_id)).first()
+            values = {
+                "node": node,
+                "gpus": list(gpus),
+                "port": port,
+                "parked_as": None,
+                "since": now,
+                "message": reason,
+            }
+            if row is None:
+                conn.execute(
+                    sa.insert(replicas).values(
+                        id=replica_id,
+                        service=service,
+                        slot=slot,
+                        state=target.value,
+                        failures=0,
+                        retry_at=0.0,
+                        **values,
+                    )
+                )
+            else:
+                move_replica(conn, replica_id, ReplicaState(row.state), target, **values)
+            ledger.hold(
+                conn,
+                [GpuRef(node, i) for i in gpus],
+                kind=ledger.REPLICA,
+                holder_id=replica_id,
+                job_id=None,
+                team=None,
+                now=now,
+            )
+            insert_service_event(conn, service, replica_id, now, target.value.lower(), reason)
+            return _record(conn.execute(sa.select(replicas).where(replicas.c.id == replica_id)).one())
+
+    def move_replica(
+        self,
+        replica_id: str,
+        expected: ReplicaState,
+        target: ReplicaState,
+        *,
+        now: float,
+        message: str,
+        **values: Any,
+    ) -> None:
+        """Guarded state move; leaving the GPU-holding states gives the GPUs back to the pool."""
+        with self._write() as conn:
+            row = conn.execute(sa.select(replicas.c.service).where(replicas.c.id == replica_id)).first()
+            if row is None:
+                raise NotFound(f"replica '{replica_id}' not found")
+            move_replica(conn, replica_id, expected, target, since=now, message=message, **values)
+            if expected in GPU_HOLDING_REPLICA_STATES and target not in GPU_HOLDING_REPLICA_STATES:
+                ledger.release(conn, kind=ledger.REPLICA, holder_id=replica_id, now=now)
+            insert_service_event(conn, row.service, replica_id, now, target.value.lower(), message)
+
+    def add_service_event(
+        self, service: str, replica_id: str | None, *, at: float, kind: str, message: str
+    ) -> None:
+        with self._write() as conn:
+            insert_service_event(conn, service, replica_id, at, kind, message)
+
+    def service_events(self, service: str, *, limit: int = 100) -> list[ServiceEventRecord]:
+        with self._read() as conn:
+            rows = conn.execute(
+                sa.select(service_events)
+                .where(service_events.c.service == service)
+                .order_by(service_events.c.id.desc())
+                .limit(limit)
+            ).all()
+        return [ServiceEventRecord(r.service, r.replica_id, r.at, r.kind, r.message) for r in reversed(rows)]
+
+    def get_value(self, key: str) -> str | None:
+        with self._read() as conn:
+            value = conn.execute(sa.select(meta.c.value).where(meta.c.key == key)).scalar()
+        return None if value is None else str(value)
+
+    def set_value(self, key: str, value: str) -> None:
+        with self._write() as conn:
+            updated = conn.execute(sa.update(meta).where(meta.c.key == key).values(value=value)).rowcount
+            if not updated:
+                conn.execute(sa.insert(meta).values(key=key, value=value))

@@ -1,0 +1,504 @@
+"""Stories for policy.autoscale.decide_scale: ramp, drop, stabilisation, band, clamps, guards.
+
+Every story is a table of ticks with explicit (fake clock) times; the scale state is threaded
+from one tick to the next exactly as `control.inference` does.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lowtide.domain.metrics import ReplicaSignals, ServiceSignals
+from lowtide.domain.services import AutoscaleTargets, ServiceSpec
+from lowtide.policy.autoscale import (
+    ReplicaSupply,
+    ScaleDecision,
+    ScaleState,
+    decide_scale,
+    initial_state,
+)
+
+# -- builders -----------------------------------------------------------------------------------
+
+
+def spec(
+    *,
+    min_replicas: int = 1,
+    max_replicas: int = 10,
+    headroom: int = 0,
+    concurrency: float | None = 32.0,
+    kv: float | None = None,
+    tokens: float | None = None,
+    ttft_slo: float | None = None,
+    up_window: float = 30.0,
+    down_window: float = 300.0,
+    tolerance: float = 0.1,
+) -> ServiceSpec:
+    return ServiceSpec(
+        name="llama",
+        model="llama-3-8b",
+        gpus_per_replica=4,
+        min_replicas=min_replicas,
+        max_replicas=max_replicas,
+        headroom_replicas=headroom,
+        autoscale=AutoscaleTargets(
+            concurrency_per_replica=concurrency,
+            kv_usage=kv,
+            generation_tokens_per_s_per_replica=tokens,
+            ttft_p90_slo_s=ttft_slo,
+            scale_up_window_s=up_window,
+            scale_down_stabilization_s=down_window,
+            tolerance=tolerance,
+        ),
+    )
+
+
+def rep(
+    name: str = "r0",
+    *,
+    running: float | None = 0.0,
+    waiting: float | None = 0.0,
+    kv: float | None = None,
+    tokens: float | None = None,
+    ttft: float | None = None,
+    stale: bool = False,
+) -> ReplicaSignals:
+    return ReplicaSignals(
+        replica=name,
+        at=0.0,
+        running=running,
+        waiting=waiting,
+        kv_usage=kv,
+        generation_tokens_per_s=tokens,
+        ttft_p90_s=ttft,
+        stale=stale,
+        stale_reason="scrape failed: timeout" if stale else "",
+    )
+
+
+def load(*replicas: ReplicaSignals, error: str | None = None) -> ServiceSignals:
+    return ServiceSignals(service="llama", at=0.0, replicas=tuple(replicas), source_error=error)
+
+
+def conc(*per_replica: float) -> ServiceSignals:
+    """Replicas with this many requests running each (none waiting)."""
+    return load(*(rep(f"r{i}", running=c) for i, c in enumerate(per_replica)))
+
+
+def supply(serving: int, starting: int = 0, waking: int = 0) -> ReplicaSupply:
+    return ReplicaSupply(serving=serving, starting=starting, waking=waking)
+
+
+Tick = tuple[float, ServiceSignals, ReplicaSupply]
+
+
+def run(s: ServiceSpec, ticks: Sequence[Tick], state: ScaleState | None = None) -> list[ScaleDecision]:
+    state = state or initial_state(s)
+    out = []
+    for now, signals, sup in ticks:
+        d = decide_scale(s, signals, sup, state, now)
+        state = d.state
+        out.append(d)
+    return out
+
+
+def desired(decisions: Sequence[ScaleDecision]) -> list[int]:
+    return [d.desired for d in decisions]
+
+
+# -- each signal's arithmetic -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("targets", "signals", "expected"),
+    [
+        # concurrency = ⌈Σ(running + waiting) / per replica⌉
+        ({"concurrency": 32.0}, load(rep(running=150, waiting=60)), {"concurrency": 7}),
+        ({"concurrency": 32.0}, conc(32, 32), {"concurrency": 2}),  # exactly 2, not 3
+        ({"concurrency": 32.0}, conc(32, 33), {"concurrency": 3}),
+        ({"concurrency": 32.0}, conc(0, 0), {"concurrency": 0}),
+        # KV = ⌈Σ usage / target⌉ (Σ of 0..1 usage = replicas' worth)
+        (
+            {"concurrency": None, "kv": 0.8},
+            load(rep("a", kv=0.8), rep("b", kv=0.8), rep("c", kv=0.8)),
+            {"kv": 3},
+        ),
+        (
+            {"concurrency": None, "kv": 0.8},
+            load(rep("a", kv=0.9), rep("b", kv=0.9), rep("c", kv=0.68)),
+            {"kv": 4},
+        ),
+        # tokens = ⌈Σ generation tokens/s / (capacity × utilization)⌉
+        ({"concurrency": None, "tokens": 1000.0}, load(rep(tokens=5200)), {"tokens": 7}),
+        (
+            {"concurrency": None, "tokens": 1000.0},
+            load(rep("a", tokens=800), rep("b", tokens=800)),
+            {"tokens": 2},
+        ),
+        # all three: each reported
+        (
+            {"concurrency": 32.0, "kv": 0.8, "tokens": 1000.0},
+            load(rep("a", running=40, kv=0.5, tokens=100), rep("b", running=40, kv=0.5, tokens=100)),
+            {"concurrency": 3, "kv": 2, "tokens": 1},
+        ),
+    ],
+)
+def test_each_signal_asks_for_ceil_of_total_over_target(
+    targets: dict[str, float | None], signals: ServiceSignals, expected: dict[str, int]
+) -> None:
+    s = spec(**targets, min_replicas=0)  # type: ignore[arg-type]
+    d = decide_scale(s, signals, supply(0), initial_state(s), 0.0)
+    assert dict(d.per_signal) == expected
+    assert d.recommendation == max(expected.values())
+
+
+def test_the_reason_names_every_signal_and_the_move() -> None:
+    s = spec(kv=0.8, max_replicas=20)
+    signals = load(
+        rep("a", running=100, waiting=5, kv=0.8),
+        rep("b", running=100, waiting=5, kv=0.9),
+        rep("c", running=0, waiting=0, kv=0.78),
+    )
+    d = decide_scale(s, signals, supply(3), initial_state(s), 0.0)
+    assert d.reason == (
+        "concurrency 210 over target 32/replica → 7; "
+        "KV 2.48 over target 0.8/replica = 3.1 replicas' worth → 4; → 7 (scale-up)"
+    )
+    assert (d.desired, d.needed, d.recommendation, d.unknown, d.guard) == (7, 7, 7, False, None)
+
+
+# -- ramp and drop ------------------------------------------------------------------------------
+
+
+def test_a_ramp_scales_up_at_once_tick_by_tick() -> None:
+    decisions = run(
+        spec(),
+        [
+            (0, conc(30, 30), supply(2)),  # 60 → 2
+            (10, conc(100, 110), supply(2)),  # 210 → 7 at once
+            (20, conc(60, 60, 60, 60, 60, 60, 60), supply(2, starting=5)),  # 420 → 14 → max 10
+            (30, conc(50, 50, 50, 50, 50, 50, 50), supply(7, starting=3)),  # 350 → 11 → max 10
+        ],
+    )
+    assert desired(decisions) == [2, 7, 10, 10]
+    assert decisions[1].reason == "concurrency 210 over target 32/replica → 7; → 7 (scale-up)"
+    assert decisions[2].reason.endswith("→ 10 (scale-up, capped at max_replicas 10)")
+
+
+def test_a_drop_waits_for_stabilisation_then_goes_to_the_window_max() -> None:
+    ticks: list[Tick] = [
+        (0, conc(105, 105), supply(2)),  # 210 → 7
+        (10, conc(20, 20, 20, 20, 20, 20, 20), supply(7)),  # 140 → 5 (outside the ±10 % band)
+        (100, conc(20, 20, 20, 20, 20, 20, 20), supply(7)),
+        (300, conc(8, 8, 8, 8, 8, 8, 8), supply(7)),  # 56 → 2, but 7 (t=0) is still in the window
+        (305, conc(8, 8, 8, 8, 8, 8, 8), supply(7)),  # t=0 has left [5, 305]: the max is 5 (t=10…100)
+        (399, conc(8, 8, 8, 8, 8, 8, 8), supply(5)),  # 5 (t=100) still in [99, 399]
+        (401, conc(8, 8, 8, 8, 8, 8, 8), supply(5)),  # only 2s left in [101, 401]
+    ]
+    decisions = run(spec(), ticks)
+    assert desired(decisions) == [7, 7, 7, 7, 5, 5, 2]
+    assert [d.recommendation for d in decisions] == [7, 5, 5, 2, 2, 2, 2]
+    assert decisions[1].reason.endswith("→ 7 (scale-down waits: 7 within the last 300s)")
+    assert decisions[4].reason.endswith("→ 5 (scale-down to the highest of the last 300s)")
+
+
+def test_the_stabilisation_window_includes_its_start() -> None:
+    decisions = run(spec(), [(0, conc(210), supply(1)), (1, conc(0), supply(7)), (300, conc(0), supply(7))])
+    assert desired(decisions) == [7, 7, 7]  # the t=0 recommendation is exactly 300s old: still counts
+    later = decide_scale(spec(), conc(0), supply(7), decisions[-1].state, 301.0)
+    assert later.desired == 1
+
+
+def test_a_spike_within_the_up_window_is_kept_until_the_down_window_lets_go() -> None:
+    decisions = run(
+        spec(up_window=30, down_window=60),
+        [
+            (0, conc(300), supply(1)),
+            (5, conc(30), supply(10)),
+            (40, conc(30), supply(10)),
+            (61, conc(30), supply(10)),
+        ],
+    )
+    assert desired(decisions) == [10, 10, 10, 1]
+
+
+def test_history_keeps_only_the_longest_window() -> None:
+    decisions = run(
+        spec(up_window=30, down_window=100), [(t, conc(40), supply(2)) for t in range(0, 1000, 10)]
+    )
+    times = [at for at, _ in decisions[-1].state.history]
+    assert min(times) >= 990 - 100
+    assert times == sorted(times)
+
+
+# -- tolerance band -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("per_replica_load", "expected", "why"),
+    [
+        (32 * 10, 10, "exactly the supply"),
+        (32 * 11, 10, "11 is within ±10 % of 10: keep 10"),
+        (32 * 9, 10, "9 is within ±10 % of 10: keep 10 (not even a pending scale-down)"),
+        (32 * 12, 12, "12 is outside the band: scale up"),
+        (32 * 8, 10, "8 is outside the band, but a scale-down waits for stabilisation"),
+    ],
+)
+def test_small_changes_within_the_tolerance_band_keep_the_current_supply(
+    per_replica_load: float, expected: int, why: str
+) -> None:
+    s = spec(max_replicas=20)
+    d = decide_scale(s, conc(per_replica_load), supply(10), initial_state(s), 0.0)
+    assert d.desired == expected, why
+    inside = per_replica_load in (32 * 11, 32 * 9)
+    assert ("within ±10 % of 10: keep 10" in d.reason) == inside
+
+
+def test_the_band_is_around_the_supply_less_headroom() -> None:
+    # 11 replicas are there, 1 of them headroom: the load sees 10; 11 recommended is within the band.
+    s = spec(max_replicas=20, headroom=1)
+    d = decide_scale(s, conc(32 * 11), supply(11), initial_state(s), 0.0)
+    assert (d.needed, d.desired) == (10, 11)
+
+
+def test_the_band_counts_starting_and_waking_replicas() -> None:
+    s = spec(max_replicas=20)
+    d = decide_scale(s, conc(32 * 10 + 10), supply(2, starting=6, waking=2), initial_state(s), 0.0)
+    assert d.per_signal["concurrency"] == 11
+    assert d.desired == 10
+
+
+# -- clamps and headroom ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kw", "total_load", "needed", "desired_"),
+    [
+        ({"min_replicas": 2}, 0, 2, 2),  # never below min
+        ({"min_replicas": 0}, 0, 0, 0),  # scale to zero when allowed
+        ({"max_replicas": 4}, 1000, 4, 4),  # never above max
+        ({"headroom": 2}, 96, 3, 5),  # 3 needed + 2 headroom
+        ({"headroom": 2, "max_replicas": 4}, 96, 3, 4),  # headroom never goes past max
+        ({"headroom": 1, "min_replicas": 2}, 0, 2, 3),  # headroom on top of min
+    ],
+)
+def test_min_max_and_headroom(kw: dict[str, int], total_load: float, needed: int, desired_: int) -> None:
+    s = spec(**kw)
+    d = decide_scale(s, conc(total_load), supply(0), initial_state(s), 0.0)
+    assert (d.needed, d.desired) == (needed, desired_)
+
+
+def test_min_above_max_keeps_the_larger_instead_of_crashing() -> None:
+    s = spec(min_replicas=3, max_replicas=2)
+    d = decide_scale(s, conc(0), supply(3), initial_state(s), 0.0)
+    assert d.desired == 3
+    assert d.reason.startswith("min_replicas 3 > max_replicas 2: using 3")
+
+
+# -- supply in flight and the TTFT guard ---------------------------------------------------------
+
+
+def test_starting_and_waking_replicas_count_as_supply_so_cold_starts_never_cascade() -> None:
+    s = spec(ttft_slo=1.0)
+    hot = [rep("a", running=40, ttft=3.0), rep("b", running=40, ttft=3.0), rep("c", running=40, ttft=3.0)]
+    decisions = run(
+        s,
+        [
+            (0, load(*hot), supply(3)),  # TTFT over SLO: one more than serve now
+            (10, load(*hot), supply(3, starting=1)),  # it is starting: no second one
+            (60, load(*hot), supply(3, starting=1)),
+            (100, load(*hot), supply(3, waking=1)),
+            (130, load(*hot, rep("d", running=0, ttft=3.0)), supply(4)),  # it serves, still slow: one more
+        ],
+    )
+    assert desired(decisions) == [4, 4, 4, 4, 5]
+    assert decisions[0].guard == "TTFT p90 3s over SLO 1s: at least 4 replicas, no scale-down"
+
+
+def test_ttft_guard_blocks_scale_down_beyond_stabilisation() -> None:
+    s = spec(ttft_slo=1.0)
+    slow = load(rep("a", running=1, ttft=1.5), rep("b", running=1, ttft=0.2))
+    quick = load(rep("a", running=1, ttft=0.3), rep("b", running=1, ttft=0.2))
+    decisions = run(
+        s,
+        [
+            (0, conc(100, 100, 100, 100), supply(4)),  # 400 → 13 → max 10
+            (10, slow, supply(10)),  # 2 requests, but TTFT over SLO: 11 → max 10, no scale-down
+            (400, slow, supply(10)),
+            (410, quick, supply(10)),  # guard off; the guarded recommendations are in the window
+            (711, quick, supply(10)),  # the guard's last tick (400) left the window
+        ],
+    )
+    assert desired(decisions) == [10, 10, 10, 10, 1]
+    assert decisions[2].guard is not None and decisions[2].reason.endswith(
+        "(steady, capped at max_replicas 10)"
+    )
+    assert decisions[3].guard is None
+
+
+def test_ttft_only_from_fresh_replicas_and_only_when_configured() -> None:
+    stale_slow = load(rep("a", running=32), rep("b", running=32, ttft=9.0, stale=True))
+    s = spec(ttft_slo=1.0)
+    assert (
+        decide_scale(s, stale_slow, supply(2), initial_state(s), 0).guard
+        == "1 of 2 replicas stale: no scale-down"
+    )
+    no_slo = spec()
+    slow = load(rep("a", running=32, ttft=9.0), rep("b", running=32, ttft=9.0))
+    d = decide_scale(no_slo, slow, supply(2), initial_state(no_slo), 0)
+    assert (d.desired, d.guard) == (2, None)
+
+
+# -- unknown and stale data ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("signals", "why"),
+    [
+        (load(), "no fresh data (no replica reports) → hold 6"),
+        (
+            load(rep("a", running=1000, stale=True)),
+            "no fresh data (1 of 1 replicas stale: scrape failed: timeout) → hold 6",
+        ),
+        (
+            load(rep("a", running=30), error="connection refused"),
+            "no fresh data (source failed: connection refused) → hold 6",
+        ),
+        (
+            load(rep("a", running=None, waiting=None)),
+            "no fresh data (no signal known on every fresh replica) → hold 6",
+        ),
+    ],
+)
+def test_unknown_data_holds_the_previous_desired(signals: ServiceSignals, why: str) -> None:
+    s = spec()
+    before = run(s, [(0, conc(190), supply(1))])[-1]
+    assert before.desired == 6
+    d = decide_scale(s, signals, supply(6), before.state, 10.0)
+    assert (d.unknown, d.recommendation, d.desired, d.needed, d.reason) == (True, None, 6, 6, why)
+
+
+def test_unknown_data_never_scales_down_even_for_long_and_data_back_waits_a_full_window() -> None:
+    s = spec()
+    ticks: list[Tick] = [(0, conc(190), supply(1))]
+    ticks += [(t, load(), supply(6)) for t in range(10, 3600, 10)]  # an hour with no data (last: 3590)
+    ticks += [(3600, conc(10), supply(6)), (3890, conc(10), supply(6)), (3891, conc(10), supply(6))]
+    decisions = run(s, ticks)
+    assert all(d.desired == 6 for d in decisions[:-1])
+    assert all(d.unknown for d in decisions[1:-3])
+    assert decisions[-1].desired == 1  # the last unknown tick (3590) has left the 300s window
+
+
+def test_unknown_data_never_goes_below_min() -> None:
+    s = spec(min_replicas=3)
+    d = decide_scale(s, load(), supply(0), initial_state(s), 0.0)
+    assert (d.unknown, d.desired) == (True, 3)
+
+
+def test_the_first_decision_starts_from_what_exists() -> None:
+    # After a control-plane restart with 6 replicas up: unknown holds 6, low load waits a window.
+    s = spec()
+    assert decide_scale(s, load(), supply(6), initial_state(s), 0.0).desired == 6
+    decisions = run(s, [(0, conc(10), supply(6)), (299, conc(10), supply(6)), (301, conc(10), supply(6))])
+    assert desired(decisions) == [6, 6, 1]
+
+
+def test_stale_replicas_do_not_count_as_load_and_block_scale_down() -> None:
+    s = spec()
+    signals = load(rep("a", running=64), rep("b", running=64), rep("c", running=5000, stale=True))
+    decisions = run(s, [(0, signals, supply(3)), (600, signals, supply(3))])
+    # 128 from the fresh two → 4 (the stale replica's 5000 would be 157), held at 4 while one is stale
+    assert decisions[0].per_signal == {"concurrency": 4}
+    assert desired(decisions) == [4, 4]
+    assert decisions[1].guard == "1 of 3 replicas stale: no scale-down"
+    low = load(rep("a", running=1), rep("b", running=1), rep("c", running=5000, stale=True))
+    held = decide_scale(s, low, supply(4), decisions[-1].state, 1000.0)
+    assert held.desired == 4
+
+
+def test_a_signal_a_fresh_replica_does_not_know_is_unknown_and_the_others_decide() -> None:
+    s = spec(kv=0.8)
+    signals = load(rep("a", running=300, kv=0.5), rep("b", running=None, waiting=None, kv=0.5))
+    d = decide_scale(s, signals, supply(2), initial_state(s), 0.0)
+    assert d.per_signal == {"concurrency": None, "kv": 2}
+    assert d.reason.startswith("concurrency unknown; KV 1 over target 0.8/replica = 1.25 replicas' worth → 2")
+    assert (d.unknown, d.desired) == (False, 2)
+
+
+# -- contract -----------------------------------------------------------------------------------
+
+
+def test_inputs_are_not_mutated_and_the_decision_is_deterministic() -> None:
+    s = spec(kv=0.8, ttft_slo=1.0, headroom=1)
+    signals = load(rep("a", running=50, kv=0.7, ttft=2.0), rep("b", running=5, kv=0.1, stale=True))
+    sup = supply(2, starting=1)
+    state = run(s, [(0, conc(40, 40), supply(2)), (10, conc(40, 40), supply(3))])[-1].state
+    copies = copy.deepcopy((s, signals, sup, state))
+    first = decide_scale(s, signals, sup, state, 20.0)
+    second = decide_scale(s, signals, sup, state, 20.0)
+    assert (s, signals, sup, state) == copies
+    assert first == second
+
+
+def test_a_state_of_another_service_is_refused() -> None:
+    s = spec()
+    with pytest.raises(ValueError, match="scale state of 'other'"):
+        decide_scale(s, conc(1), supply(1), ScaleState(service="other"), 0.0)
+
+
+def test_negative_supply_is_refused() -> None:
+    with pytest.raises(ValueError, match="cannot be negative"):
+        ReplicaSupply(serving=-1)
+
+
+# -- properties ---------------------------------------------------------------------------------
+
+_replica = st.builds(
+    rep,
+    running=st.one_of(st.none(), st.floats(0, 500)),
+    waiting=st.floats(0, 500),
+    kv=st.one_of(st.none(), st.floats(0, 1)),
+    tokens=st.one_of(st.none(), st.floats(0, 20000)),
+    ttft=st.one_of(st.none(), st.floats(0, 10)),
+    stale=st.booleans(),
+)
+_tick = st.tuples(
+    st.floats(0, 400),  # time step
+    st.lists(_replica, max_size=6),
+    st.booleans(),  # source error
+    st.integers(0, 12),
+    st.integers(0, 3),
+    st.integers(0, 3),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lo=st.integers(0, 5),
+    span=st.integers(0, 8),
+    headroom=st.integers(0, 3),
+    ticks=st.lists(_tick, min_size=1, max_size=25),
+)
+def test_desired_always_within_min_and_max(
+    lo: int, span: int, headroom: int, ticks: list[tuple[float, list[ReplicaSignals], bool, int, int, int]]
+) -> None:
+    s = spec(min_replicas=lo, max_replicas=lo + span, headroom=headroom, kv=0.8, tokens=1000.0, ttft_slo=1.0)
+    state, now = initial_state(s), 0.0
+    for step, replicas, error, serving, starting, waking in ticks:
+        now += step
+        signals = load(*replicas, error="down" if error else None)
+        d = decide_scale(s, signals, supply(serving, starting, waking), state, now)
+        assert s.min_replicas <= d.needed <= d.desired <= s.max_replicas
+        assert d.desired == min(s.max_replicas, d.needed + headroom)
+        if d.unknown:
+            assert d.recommendation is None
+            if state.desired is not None:
+                assert d.desired == state.desired
+        keep = max(s.autoscale.scale_up_window_s, s.autoscale.scale_down_stabilization_s)
+        assert all(at >= now - keep for at, _ in d.state.history)
+        state = d.state
