@@ -45,6 +45,8 @@ fmt: venv
 bench: venv
 	$(BIN)/python benchmarks/scheduler.py
 	$(BIN)/python benchmarks/api_submit.py
+	$(BIN)/python benchmarks/metrics_ingest.py
+	$(BIN)/python benchmarks/gateway.py
 
 clean:
-	rm -rf $(VENV) .lowtide .lowtide-demo .pytest_cache .mypy_cache .ruff_cache benchmarks/results
+	rm -rf $(VENV) .lowtide .lowtide-demo .lowtide-inference .pytest_cache .mypy_cache .ruff_cache benchmarks/results

@@ -58,4 +58,90 @@ lowtide jobs
 say "metrics (Prometheus text)"
 curl -fsS "http://127.0.0.1:$PORT/metrics" | grep -E '^lowtide_(jobs|gpus|queue)' || true
 
-say "done: the API docs are at http://127.0.0.1:$PORT/docs while lowtide runs (run 'lowtide up -c examples/lowtide.yaml')"
+say "part one done (the API docs are at /docs while lowtide runs)"
+
+# ---------------------------------------------------------------------------------------------
+# Part two: an inference service next to research. Emulated vLLM replicas behind lowtide's
+# gateway; load makes inference take GPUs, a research job waits for lendable GPUs, and gets them
+# when the load is gone and the extra replicas are put to sleep.
+kill "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true
+read -r API GW BASE <<<"$(python - <<'PY'
+import socket
+def free():
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p
+for base in range(23000, 60000, 101):
+    try:
+        socks = []
+        for p in range(base, base + 3):
+            s = socket.socket(); s.bind(("127.0.0.1", p)); socks.append(s)
+        break
+    except OSError:
+        continue
+    finally:
+        for s in socks: s.close()
+print(free(), free(), base)
+PY
+)"
+python - "$DEMO_DIR/inference.yaml" "$API" "$GW" "$BASE" <<'PY'
+import sys, yaml
+out, api, gw, base = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+cfg = yaml.safe_load(open("examples/lowtide-inference.yaml"))
+cfg.update(state_dir=out.rsplit("/", 1)[0] + "/inference-state", templates_dir="../examples/templates",
+           tick_seconds=0.5, api={"port": api})
+svc = cfg["services"][0]
+svc.update(base_port=base, gateway_port=gw)
+svc["autoscale"].update(scale_up_window="5s", scale_down_stabilization="15s")
+yaml.safe_dump(cfg, open(out, "w"))
+PY
+unset LOWTIDE_STATE_DIR LOWTIDE_API__PORT LOWTIDE_TICK_SECONDS
+export LOWTIDE_CONFIG="$DEMO_DIR/inference.yaml"
+
+say "lowtide up with an inference service: 1..3 emulated vLLM replicas of 2 GPUs, gateway on :$GW"
+lowtide up --stop-replicas-on-exit >"$DEMO_DIR/server-inference.log" 2>&1 &
+SERVER=$!
+for _ in $(seq 1 150); do
+  lowtide services --json 2>/dev/null | python -c 'import json,sys; d=json.load(sys.stdin); sys.exit(0 if any(r["state"]=="SERVING" for r in d["services"][0]["replicas"]) else 1)' && break
+  kill -0 "$SERVER" 2>/dev/null || { cat "$DEMO_DIR/server-inference.log"; exit 1; }
+  sleep 0.2
+done
+lowtide services
+
+say "load through the gateway: lowtide loadgen --trace synthetic:constant,rate=12 (25 s)"
+lowtide loadgen --trace "synthetic:constant,rate=12" --target "http://127.0.0.1:$GW" --speedup 1 \
+  --duration 25 --emulator-hints >"$DEMO_DIR/loadgen.txt" 2>&1 &
+LOAD=$!
+sleep 15
+lowtide services
+
+say "a research job that needs 4 GPUs on one node: it waits until GPUs can be lent"
+cat >"$DEMO_DIR/big-train.yaml" <<'YAML'
+name: big-train
+team: research
+steps:
+  - name: data
+    command: [python, -m, lowtide.examples.prep, --out, "{{outputs}}"]
+  - name: train
+    depends: [data]
+    command: [python, -m, lowtide.examples.train, --data, "{{inputs.data}}", --out, "{{outputs}}", --steps, "150"]
+    gpus: 4
+    checkpoint: true
+YAML
+BIG=$(lowtide submit "$DEMO_DIR/big-train.yaml" --json | python -c 'import json,sys; print(json.load(sys.stdin)["id"])')
+sleep 3
+lowtide show "$BIG" | sed -n '1,12p'
+wait "$LOAD" || true
+say "the load replay's report"
+cat "$DEMO_DIR/loadgen.txt"
+
+say "load gone: after the stabilisation window the extra replicas drain and sleep; the job gets their GPUs"
+for _ in $(seq 1 240); do
+  state=$(lowtide show "$BIG" --json | python -c 'import json,sys; print(json.load(sys.stdin)["job"]["state"])')
+  [ "$state" = SUCCEEDED ] || [ "$state" = FAILED ] && break
+  sleep 0.5
+done
+lowtide show "$BIG" | sed -n '1,12p'
+lowtide services
+lowtide pool
+[ "$state" = SUCCEEDED ]
+
+say "done. Both configurations are in examples/: lowtide.yaml and lowtide-inference.yaml"

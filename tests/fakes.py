@@ -7,6 +7,7 @@ and with which exit code; a stop past its deadline is a kill, as with the real e
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from lowtide.control.executor_port import (
     AdoptOutcome,
@@ -16,6 +17,8 @@ from lowtide.control.executor_port import (
     LaunchRequest,
     ProcessIdentity,
 )
+from lowtide.control.inference_ports import ReplicaEvent
+from lowtide.domain.metrics import ReplicaSignals, ServiceSignals
 
 
 @dataclass
@@ -89,3 +92,79 @@ class MemoryArtifacts:
         if text is not None and len(text.encode()) > max_bytes:
             raise ValueError("too large")
         return text
+
+
+@dataclass
+class FakeServiceManager:
+    """Replicas as the test says: a started or woken replica is healthy at the next poll unless the
+    test marks it broken; parking completes at the next poll."""
+
+    started: list[str] = field(default_factory=list)
+    broken: set[str] = field(default_factory=set)
+    running: dict[str, str] = field(default_factory=dict)  # id -> phase: starting|healthy|parking-*|asleep
+    pending: list[Any] = field(default_factory=list)
+
+    def start(self, launch: Any, now: float) -> None:
+        self.started.append(launch.replica_id)
+        self.running[launch.replica_id] = "starting"
+
+    def park(self, replica_id: str, mode: str, now: float) -> None:
+        self.running[replica_id] = f"parking-{mode}"
+
+    def unpark(self, replica_id: str, now: float) -> None:
+        self.running[replica_id] = "starting"
+
+    def poll(self, now: float) -> list[Any]:
+        events = []
+        for rid, phase in list(self.running.items()):
+            if phase == "starting":
+                if rid in self.broken:
+                    events.append(ReplicaEvent(rid, "failed", now, "never became healthy"))
+                    del self.running[rid]
+                else:
+                    events.append(ReplicaEvent(rid, "healthy", now))
+                    self.running[rid] = "healthy"
+            elif phase == "parking-sleep":
+                events.append(ReplicaEvent(rid, "asleep", now))
+                self.running[rid] = "asleep"
+            elif phase == "parking-stop":
+                events.append(ReplicaEvent(rid, "stopped", now))
+                del self.running[rid]
+        return events
+
+    def url(self, replica_id: str) -> str | None:
+        return f"http://fake/{replica_id}" if replica_id in self.running else None
+
+    def adopt(self, replica_id: str, launch: Any, now: float) -> bool:
+        return replica_id in self.running
+
+    def reap_orphans(self, known_ids: set[str]) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class FakeMetrics:
+    """Signals as the test sets them: `concurrency` per replica, or stale."""
+
+    concurrency: float = 0.0
+    stale: bool = False
+
+    def collect(self, service: str, replicas: Any, now: float) -> Any:
+        return ServiceSignals(
+            service=service,
+            at=now,
+            replicas=tuple(
+                ReplicaSignals(
+                    replica=rid,
+                    at=now,
+                    running=self.concurrency,
+                    waiting=0.0,
+                    stale=self.stale,
+                    stale_reason="test says stale" if self.stale else "",
+                )
+                for rid in replicas
+            ),
+        )

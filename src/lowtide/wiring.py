@@ -11,13 +11,17 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import TextIO
 
+import uvicorn
 from fastapi import FastAPI
 
 from lowtide.adapters.container import resolve_runtime
@@ -285,6 +289,38 @@ def start_gateways(settings: Settings, router: GatewayRouter | None) -> GatewayS
     return server
 
 
+class _GracefulServer(uvicorn.Server):
+    """uvicorn re-raises a SIGTERM/SIGINT it caught once it has shut down, which ends the process
+    before lowtide's own shutdown (loop, executor, gateways, replicas) has run. Here a signal only
+    asks the server to stop; `serve` then returns and finishes the shutdown itself."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: stop waiting for open connections
+        else:
+            self.should_exit = True
+
+
+def stop_replicas(inference: InferenceController, clock: Clock, timeout_s: float = 60.0) -> None:
+    """Stop every replica process gracefully and wait (bounded) until they are gone."""
+    manager = inference.manager
+    live = [r.id for r in inference.store.replicas() if manager.url(r.id) is not None]
+    for rid in live:
+        try:
+            manager.park(rid, "stop", clock.now())
+        except ValueError:
+            continue
+    deadline = time.monotonic() + timeout_s
+    pending = set(live)
+    while pending and time.monotonic() < deadline:
+        for event in manager.poll(clock.now()):
+            if event.kind in ("stopped", "failed"):
+                pending.discard(event.replica_id)
+        time.sleep(0.1)
+    if pending:
+        log.warning("replicas still stopping after %.0fs: %s", timeout_s, sorted(pending))
+
+
 class ServeError(RuntimeError):
     """lowtide cannot start serving: the state dir is in use or the address is taken."""
 
@@ -325,10 +361,12 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(settings: Settings, *, announce: bool = True) -> None:
-    """Run the embedded control plane until SIGINT/SIGTERM."""
-    import uvicorn  # noqa: PLC0415 (only the server needs it)
+def serve(settings: Settings, *, announce: bool = True, stop_replicas_on_exit: bool = False) -> None:
+    """Run the embedded control plane until SIGINT/SIGTERM.
 
+    Steps and inference replicas keep running when it stops (the next start re-adopts them), so
+    restarting the control plane interrupts neither research nor serving; `stop_replicas_on_exit`
+    stops the replicas instead (a laptop, a demo)."""
     lock = _lock_state_dir(Path(settings.state_dir))
     sock = _listen(settings.api.host, settings.api.port)
     if settings.api.port == 0:  # an ephemeral port: steps and the CLI must learn the real one
@@ -364,7 +402,7 @@ def serve(settings: Settings, *, announce: bool = True) -> None:
         target=lt.loop.run, args=(stop, settings.tick_seconds), name="lowtide-loop", daemon=True
     )
     thread.start()
-    server = uvicorn.Server(uvicorn.Config(lt.app, log_level="warning"))
+    server = _GracefulServer(uvicorn.Config(lt.app, log_level="warning"))
     try:
         server.run(sockets=[sock])
     finally:
@@ -377,6 +415,8 @@ def serve(settings: Settings, *, announce: bool = True) -> None:
         if gateways is not None:
             gateways.stop()
         if lt.inference is not None:
+            if stop_replicas_on_exit:
+                stop_replicas(lt.inference, lt.clock)
             lt.inference.manager.close()
         lt.executor.close()
         lt.store.close()

@@ -166,10 +166,18 @@ def _state_style(s: str) -> str:
 def up(
     host: Annotated[str | None, typer.Option(help="Listen address (default from config).")] = None,
     port: Annotated[int | None, typer.Option(help="Listen port (default from config).")] = None,
+    stop_replicas_on_exit: Annotated[
+        bool, typer.Option(help="Stop inference replicas when lowtide stops (default: keep them serving).")
+    ] = False,
+    config: Annotated[
+        str | None, typer.Option("--config", "-c", help="lowtide.yaml to use (as `lowtide -c FILE up`).")
+    ] = None,
 ) -> None:
-    """Start the embedded control plane: API, scheduling loop and local executor."""
+    """Start the embedded control plane: API, scheduling loop, executor, services and gateways."""
     from lowtide.wiring import ServeError, serve  # noqa: PLC0415 (server-only imports)
 
+    if config is not None:
+        state.config = config
     overrides: dict[str, Any] = {}
     settings = _settings()
     if host or port:
@@ -183,7 +191,7 @@ def up(
     if settings.auth.enabled:
         err.print(f"admin token: {settings.admin_token_path} (created on first start, mode 0600)")
     try:
-        serve(settings)
+        serve(settings, stop_replicas_on_exit=stop_replicas_on_exit)
     except ConfigError as exc:
         _fail(str(exc))
     except ServeError as exc:

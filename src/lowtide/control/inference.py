@@ -337,8 +337,14 @@ class InferenceController:
         history = self._needed_history[name]
         if len(history) < 2 or history[-1][0] - history[0][0] <= 0:
             return None
-        (t0, n0), (t1, n1) = history[0], history[-1]
-        return (n1 - n0) / (t1 - t0)
+        # Least-squares slope over the window: one old low point does not read as a rising trend.
+        n = len(history)
+        mean_t = sum(t for t, _ in history) / n
+        mean_v = sum(v for _, v in history) / n
+        var = sum((t - mean_t) ** 2 for t, _ in history)
+        if var <= 0:
+            return None
+        return sum((t - mean_t) * (v - mean_v) for t, v in history) / var
 
     def _forecast(self, name: str, now: float) -> tuple[int, float] | None:
         """The peak of needed replicas the weekly profile predicts within the lead time, and when."""

@@ -132,6 +132,7 @@ class _Decision:
         self._shares = TeamShares.from_snapshot(snapshot, policy.fair_share)
         self._cpu_node = min((node.name for node in snapshot.nodes), default=None)
         self._largest_node = max((node.gpu_count for node in snapshot.nodes), default=0)
+        self._node_size = {node.name: node.gpu_count for node in snapshot.nodes}
         self._starts: list[StartStep] = []
         self._waiting: list[Waiting] = []
         self._reservations: list[Reservation] = []
@@ -201,6 +202,9 @@ class _Decision:
             f"{r.job_id}/{r.step} waits for {r.node}" for r in self._reservations
         )
         reason = f"{lead}: waiting for {_count(missing, 'more GPU')} on {node} (GPUs held back from backfill)"
+        kept = self._node_size.get(node, 0) - self._free.capacity(node)
+        if kept > 0:  # e.g. GPUs inference keeps: the wait may last until lending allows more
+            reason += f"; {_count(kept, 'GPU')} of {node} not lendable now"
         self._waiting.append(Waiting(step.job_id, step.step, reason))
 
     def _blocked_reason(self, need: int) -> str:
