@@ -30,6 +30,7 @@ from lowtide.adapters.gpu_discovery import GpuDiscoveryError, discover_gpus
 from lowtide.adapters.local_executor import LocalExecutor
 from lowtide.adapters.local_services import LocalServiceManager
 from lowtide.adapters.metrics_sources import PromQLSource, ScrapeSource
+from lowtide.adapters.net import bind_tcp
 from lowtide.adapters.storage import FsspecArtifacts
 from lowtide.adapters.templates import DirectoryTemplates
 from lowtide.api.app import ApiContext, create_app
@@ -346,19 +347,12 @@ def _lock_state_dir(state: Path) -> TextIO:
 
 def _listen(host: str, port: int) -> socket.socket:
     """Bind the API socket before anything else starts, so a taken port fails fast and clearly."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # proto must say TCP: asyncio turns Nagle off (TCP_NODELAY) only on sockets that do, and
-    # with Nagle on every small response waits for a delayed ACK (~40 ms per request).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        return bind_tcp(host, port)
     except OSError as exc:
-        sock.close()
         raise ServeError(
             f"cannot listen on {host}:{port}: {exc.strerror or exc}; set api.port (or pass --port)"
         ) from exc
-    return sock
 
 
 def serve(settings: Settings, *, announce: bool = True, stop_replicas_on_exit: bool = False) -> None:

@@ -57,6 +57,7 @@ import uvicorn
 from lowtide.adapters.gateway_app import DEFAULT_MAX_BODY_BYTES, GatewayApp
 from lowtide.adapters.gateway_pool import PooledTransport, fail_missing_sniffio_fast
 from lowtide.adapters.gateway_router import GatewayMetrics, GatewayRouter, Pick
+from lowtide.adapters.net import bind_tcp
 
 __all__ = [
     "GatewayApp",
@@ -275,18 +276,12 @@ async def _make_client(timeouts: GatewayTimeouts) -> httpx.AsyncClient:
 
 
 def _listen(service: str, host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # proto must say TCP: asyncio sets TCP_NODELAY on accepted connections only for such sockets.
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        return bind_tcp(host, port)
     except OSError as exc:
-        sock.close()
         raise GatewayError(
             f"gateway for service {service!r} cannot listen on {host}:{port}: {exc.strerror or exc}"
         ) from exc
-    return sock
 
 
 def _wait_started(service: str, server: uvicorn.Server, future: concurrent.futures.Future[None]) -> None:

@@ -275,6 +275,8 @@ class ControlLoop:
                 max_retries=ctx.max_retries,
                 now=ex.ended_at,
                 retry=self.settings.retry,
+                preemptions=ctx.preemptions,
+                max_preemptions=ctx.max_preemptions,
             )
             if self._finish(ctx, decision, ex):
                 break

@@ -106,6 +106,7 @@ class AttemptRecord:
     work_dir: str
     record: Mapping[str, Any]
     message: str
+    lost_gpu_seconds: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +170,8 @@ class ExitContext:
     max_retries: int
     checkpoint_dir: str | None
     last_checkpoint: str | None
+    preemptions: int = 0
+    max_preemptions: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,3 +231,21 @@ class ServiceEventRecord:
     at: float
     kind: str
     message: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReclaimRecord:
+    """One reclaim: inference taking GPUs back from research, phase by phase."""
+
+    id: int
+    service: str | None
+    replica_id: str | None
+    reason: str
+    gpus: int
+    victims: tuple[int, ...]  # attempt ids
+    state: str  # OPEN | DONE | ABANDONED
+    detected_at: float
+    decided_at: float
+    notice_at: float | None
+    freed_at: float | None
+    healthy_at: float | None

@@ -15,6 +15,8 @@ from typing import Any
 PRIORITY_NAMES: Mapping[str, int] = {"low": 10, "normal": 50, "high": 90}
 PRIORITY_RANGE = (0, 100)
 DEFAULT_GRACE_SECONDS = 30.0
+#: What restarting a step costs, in seconds per GPU, when the spec does not say (loading, warm-up).
+DEFAULT_RESTART_SECONDS = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +31,12 @@ class StepSpec:
     checkpoint: bool = False
     max_retries: int | None = None  # None: the job's max_retries
     env: Mapping[str, str] = field(default_factory=dict)
+    #: Not preempted during its first `min_runtime` seconds (unless a service is below min_replicas).
+    min_runtime: float = 0.0
+    #: Preempted more often than this, the step fails (None: no limit). Preemptions never use retries.
+    max_preemptions: int | None = None
+    #: Seconds a restart costs (reload, warm-up): part of the cost of choosing it as a victim.
+    restart_seconds: float = DEFAULT_RESTART_SECONDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +84,12 @@ class JobSpec:
                 s["max_retries"] = step.max_retries
             if step.env:
                 s["env"] = dict(step.env)
+            if step.min_runtime:
+                s["min_runtime"] = step.min_runtime
+            if step.max_preemptions is not None:
+                s["max_preemptions"] = step.max_preemptions
+            if step.restart_seconds != DEFAULT_RESTART_SECONDS:
+                s["restart_seconds"] = step.restart_seconds
             doc["steps"].append(s)
         return doc
 

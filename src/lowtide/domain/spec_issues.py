@@ -17,6 +17,7 @@ Must not: import the other spec modules, parse text, do I/O, or read the clock.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -164,3 +165,24 @@ def check_count(value: object, loc: str, issues: Issues) -> int | None:
         issues.add(loc, f"must be at most {MAX_RETRIES}, got {value}")
         return None
     return value
+
+
+#: The longest duration a spec may give (grace, minimum runtime, restart cost): one day.
+MAX_SPEC_SECONDS = 86400.0
+
+
+def check_seconds(value: object, loc: str, issues: Issues) -> float | None:
+    """`value` as seconds when it is a finite number from 0 to a day, else None, reported."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        issues.add(loc, f"must be a number of seconds, got {kind(value)}")
+        return None
+    if not math.isfinite(value):
+        issues.add(loc, f"must be a finite number, got {value}")
+        return None
+    if value < 0:
+        issues.add(loc, f"must be 0 or more, got {value}")
+        return None
+    if value > MAX_SPEC_SECONDS:
+        issues.add(loc, f"must be at most {MAX_SPEC_SECONDS:g} seconds (one day), got {value:g}")
+        return None
+    return float(value)

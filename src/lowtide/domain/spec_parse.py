@@ -31,12 +31,14 @@ from lowtide.domain.spec_issues import (
     DOCUMENT,
     IDENT_RE,
     IDENT_RULE,
+    MAX_SPEC_SECONDS,
     Issues,
     SpecInvalid,
     SpecIssue,
     check_count,
     check_keys,
     check_name,
+    check_seconds,
     doc_error,
     is_valid_name,
     kind,
@@ -48,7 +50,7 @@ from lowtide.domain.spec_steps import check_placeholders, check_steps
 __all__ = ["MAX_GRACE_SECONDS", "TemplateLookup", "build_job_spec", "require_images"]
 
 #: The longest grace a step may ask for: a stop that may take longer is not a stop.
-MAX_GRACE_SECONDS = 86400.0
+MAX_GRACE_SECONDS = MAX_SPEC_SECONDS
 
 _TOP_KEYS = ("name", "team", "priority", "grace_seconds", "max_retries", "params", "steps", "use")
 
@@ -104,29 +106,13 @@ def _check_no_nul(value: object, loc: str, issues: Issues) -> None:
             _check_no_nul(item, sub, issues)
 
 
-def _check_seconds(value: object, loc: str, issues: Issues) -> float | None:
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        issues.add(loc, f"must be a number of seconds, got {kind(value)}")
-        return None
-    if not math.isfinite(value):
-        issues.add(loc, f"must be a finite number, got {value}")
-        return None
-    if value < 0:
-        issues.add(loc, f"must be 0 or more, got {value}")
-        return None
-    if value > MAX_GRACE_SECONDS:
-        issues.add(loc, f"must be at most {MAX_GRACE_SECONDS:g} seconds (one day), got {value:g}")
-        return None
-    return float(value)
-
-
 def _scalar_fields(doc: Mapping[str, Any], prefix: str, issues: Issues) -> dict[str, Any]:
     """The job-level scalar fields present in `doc`, validated (a bad one is left out)."""
     checks = {
         "name": check_name,
         "team": check_name,
         "priority": _check_priority,
-        "grace_seconds": _check_seconds,
+        "grace_seconds": check_seconds,
         "max_retries": check_count,
     }
     out: dict[str, Any] = {}
@@ -288,6 +274,9 @@ def build_job_spec(
                 checkpoint=step.checkpoint,
                 max_retries=step.max_retries,
                 env=dict(step.env or {}),
+                min_runtime=step.min_runtime,
+                max_preemptions=step.max_preemptions,
+                restart_seconds=step.restart_seconds,
             )
             for step in steps
         ),

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lowtide.domain.spec import DEFAULT_RESTART_SECONDS
 from lowtide.domain.spec_issues import (
     IDENT_RE,
     IDENT_RULE,
@@ -25,6 +26,7 @@ from lowtide.domain.spec_issues import (
     check_count,
     check_keys,
     check_name,
+    check_seconds,
     kind,
     suggest,
 )
@@ -32,7 +34,19 @@ from lowtide.domain.spec_render import PLACEHOLDER_FORMS, PLACEHOLDER_RE, transi
 
 __all__ = ["CheckedStep", "check_placeholders", "check_steps"]
 
-_STEP_KEYS = ("name", "image", "command", "gpus", "depends", "checkpoint", "max_retries", "env")
+_STEP_KEYS = (
+    "name",
+    "image",
+    "command",
+    "gpus",
+    "depends",
+    "checkpoint",
+    "max_retries",
+    "env",
+    "min_runtime",
+    "max_preemptions",
+    "restart_seconds",
+)
 _RESERVED_ENV_PREFIX = "LOWTIDE_"
 _RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES"})
 
@@ -53,6 +67,9 @@ class CheckedStep:
     checkpoint: bool = False
     max_retries: int | None = None
     env: dict[str, str] | None = None
+    min_runtime: float = 0.0
+    max_preemptions: int | None = None
+    restart_seconds: float = DEFAULT_RESTART_SECONDS
 
 
 def _check_command(value: object, loc: str, issues: Issues) -> list[str]:
@@ -151,6 +168,11 @@ def _check_step(
             issues.add(f"{loc}.checkpoint", f"must be true or false, got {kind(raw['checkpoint'])}")
     if "max_retries" in raw:
         step.max_retries = check_count(raw["max_retries"], f"{loc}.max_retries", issues)
+    if "max_preemptions" in raw:
+        step.max_preemptions = check_count(raw["max_preemptions"], f"{loc}.max_preemptions", issues)
+    for key in ("min_runtime", "restart_seconds"):
+        if key in raw and (seconds := check_seconds(raw[key], f"{loc}.{key}", issues)) is not None:
+            setattr(step, key, seconds)
     if "env" in raw:
         step.env = _check_env(raw["env"], f"{loc}.env", issues)
     if "depends" in raw:

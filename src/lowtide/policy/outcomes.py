@@ -4,7 +4,8 @@ The contract (DESIGN §5): exit 0 means "done", never "interrupted". A non-zero 
 that was not asked to stop is a failure: retried with exponential backoff while retries remain,
 FAILED after. A step that was asked to stop because its job was cancelled ends CANCELLED whatever
 its exit. A preempted step (given notice to return GPUs) that exits non-zero or is killed is
-PREEMPTED: requeued without backoff and without using a retry. An attempt lost while the control
+PREEMPTED: requeued without backoff and without using a retry (after `max_preemptions`
+preemptions, if the step sets one, it FAILS instead). An attempt lost while the control
 plane was down is requeued without using a retry (it is not the step's fault). An attempt that
 ends before its notice went out ended on its own: its exit code decides (`noticed=False`).
 Neighbours: the loop classifies each exit with `classify_exit` and hands the decision to the store.
@@ -60,6 +61,8 @@ def classify_exit(
     max_retries: int,
     now: float,
     retry: RetryPolicy,
+    preemptions: int = 0,
+    max_preemptions: int | None = None,
 ) -> ExitDecision:
     how = describe_exit(exit_code, signal, killed_at_deadline)
     ok = exit_code == 0 and not killed_at_deadline
@@ -79,6 +82,15 @@ def classify_exit(
                 retries_used,
                 0.0,
                 "finished after notice (exit 0 means done)",
+            )
+        if max_preemptions is not None and preemptions + 1 > max_preemptions:
+            return ExitDecision(
+                AttemptState.INTERRUPTED,
+                StepState.FAILED,
+                retries_used,
+                0.0,
+                f"preempted ({how}) {preemptions + 1} times; max_preemptions is {max_preemptions}",
+                preempted=True,
             )
         return ExitDecision(
             AttemptState.INTERRUPTED,

@@ -26,6 +26,10 @@ class RunningStep:
     node: str
     gpus: tuple[int, ...]
     started_at: float
+    last_checkpoint_at: float | None = None
+    min_runtime: float = 0.0
+    restart_seconds: float = 60.0
+    stopping: bool = False  # notice given (cancel or preemption): its GPUs come back soon
 
 
 @dataclass(frozen=True, slots=True)

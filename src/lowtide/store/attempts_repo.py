@@ -77,10 +77,19 @@ class AttemptsRepo(StoreBase):
                     attempts.c.node,
                     attempts.c.gpus,
                     attempts.c.started_at,
+                    attempts.c.state,
                     jobs.c.team,
                     jobs.c.priority,
+                    steps.c.state.label("step_state"),
+                    steps.c.last_checkpoint_at,
+                    steps.c.min_runtime,
+                    steps.c.restart_seconds,
                 )
-                .select_from(attempts.join(jobs, jobs.c.id == attempts.c.job_id))
+                .select_from(
+                    attempts.join(jobs, jobs.c.id == attempts.c.job_id).join(
+                        steps, steps.c.id == attempts.c.step_id
+                    )
+                )
                 .where(attempts.c.state.in_([s.value for s in _RUNNING_ATTEMPT]))
             ).all()
             usage_rows = conn.execute(sa.select(team_usage)).all()
@@ -109,6 +118,14 @@ class AttemptsRepo(StoreBase):
                 node=r.node,
                 gpus=tuple(r.gpus),
                 started_at=r.started_at,
+                last_checkpoint_at=(
+                    r.last_checkpoint_at
+                    if r.last_checkpoint_at is not None and r.last_checkpoint_at >= r.started_at
+                    else None
+                ),
+                min_runtime=r.min_runtime,
+                restart_seconds=r.restart_seconds,
+                stopping=r.state == AttemptState.STOPPING.value or r.step_state != StepState.RUNNING.value,
             )
             for r in running_rows
         )
@@ -250,6 +267,8 @@ class AttemptsRepo(StoreBase):
                     steps.c.max_retries,
                     steps.c.resolved,
                     steps.c.last_checkpoint,
+                    steps.c.preemptions,
+                    steps.c.max_preemptions,
                 )
                 .select_from(attempts.join(steps, steps.c.id == attempts.c.step_id))
                 .where(attempts.c.id == attempt_id)
@@ -266,6 +285,8 @@ class AttemptsRepo(StoreBase):
             max_retries=row.max_retries,
             checkpoint_dir=row.resolved.get("checkpoint_dir"),
             last_checkpoint=row.last_checkpoint,
+            preemptions=row.preemptions,
+            max_preemptions=row.max_preemptions,
         )
 
     def finish_attempt(
@@ -300,15 +321,30 @@ class AttemptsRepo(StoreBase):
                 "eligible_at": decision.eligible_at,
                 "reason": decision.message,
                 "updated_at": ended_at,
+                "stop_grace": None,
             }
             if decision.preempted:
                 values["preemptions"] = steps.c.preemptions + 1
             move_step(conn, step_id, ctx.step_state, decision.step_state, **values)
             att = conn.execute(
-                sa.select(attempts.c.started_at, attempts.c.gpus, jobs.c.team)
-                .select_from(attempts.join(jobs, jobs.c.id == attempts.c.job_id))
+                sa.select(attempts.c.started_at, attempts.c.gpus, jobs.c.team, steps.c.last_checkpoint_at)
+                .select_from(
+                    attempts.join(jobs, jobs.c.id == attempts.c.job_id).join(
+                        steps, steps.c.id == attempts.c.step_id
+                    )
+                )
                 .where(attempts.c.id == ctx.attempt_id)
             ).one()
+            # Work lost: from the attempt's last checkpoint (or its start) to its end; none if it finished.
+            lost = 0.0
+            if decision.attempt_state != AttemptState.SUCCEEDED:
+                since = att.started_at
+                if att.last_checkpoint_at is not None and att.last_checkpoint_at >= att.started_at:
+                    since = att.last_checkpoint_at
+                lost = len(att.gpus) * max(0.0, ended_at - since)
+            conn.execute(
+                sa.update(attempts).where(attempts.c.id == ctx.attempt_id).values(lost_gpu_seconds=lost)
+            )
             ledger.release(conn, kind=ledger.ATTEMPT, holder_id=str(ctx.attempt_id), now=ended_at)
             if att.gpus:
                 _fold_usage(conn, att.team, len(att.gpus), att.started_at, ended_at, ended_at, half_life_s)
@@ -327,6 +363,33 @@ class AttemptsRepo(StoreBase):
                 decision.message,
             )
 
+    def request_preemption(self, attempt_id: int, *, grace_s: float, reason: str, now: float) -> None:
+        """Move a running step to PREEMPTING: the loop gives it notice with `grace_s` (at most its
+        job's grace). Raises StaleState if the step is no longer RUNNING."""
+        with self._write() as conn:
+            row = conn.execute(
+                sa.select(steps.c.id, attempts.c.job_id, attempts.c.step_name, jobs.c.grace_seconds)
+                .select_from(
+                    attempts.join(steps, steps.c.id == attempts.c.step_id).join(
+                        jobs, jobs.c.id == attempts.c.job_id
+                    )
+                )
+                .where(attempts.c.id == attempt_id, attempts.c.state == AttemptState.RUNNING.value)
+            ).first()
+            if row is None:
+                raise StaleState(f"attempt {attempt_id} is not running")
+            grace = min(grace_s, row.grace_seconds)
+            move_step(
+                conn,
+                row.id,
+                StepState.RUNNING,
+                StepState.PREEMPTING,
+                stop_grace=grace,
+                reason=f"preempting: {reason}",
+                updated_at=now,
+            )
+            insert_event(conn, row.job_id, row.step_name, attempt_id, now, "preempting", reason)
+
     def notices_due(self) -> list[NoticeDue]:
         with self._read() as conn:
             rows = conn.execute(
@@ -335,7 +398,7 @@ class AttemptsRepo(StoreBase):
                     attempts.c.job_id,
                     attempts.c.step_name,
                     steps.c.state.label("step_state"),
-                    jobs.c.grace_seconds,
+                    sa.func.coalesce(steps.c.stop_grace, jobs.c.grace_seconds).label("grace_seconds"),
                 )
                 .select_from(
                     attempts.join(steps, steps.c.id == attempts.c.step_id).join(

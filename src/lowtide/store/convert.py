@@ -102,4 +102,5 @@ def attempt_record(r: Row[Any]) -> AttemptRecord:
         work_dir=r.work_dir,
         record=r.record,
         message=r.message,
+        lost_gpu_seconds=r.lost_gpu_seconds,
     )

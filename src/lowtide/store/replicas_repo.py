@@ -13,12 +13,12 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy import Connection
 
-from lowtide.control.records import NotFound, ReplicaRecord, ServiceEventRecord
+from lowtide.control.records import NotFound, ReclaimRecord, ReplicaRecord, ServiceEventRecord
 from lowtide.domain.gpus import GpuRef
 from lowtide.domain.states import GPU_HOLDING_REPLICA_STATES, ReplicaState
 from lowtide.store import ledger
 from lowtide.store.base import StoreBase
-from lowtide.store.schema import meta, replicas, service_events
+from lowtide.store.schema import meta, reclaims, replicas, service_events
 from lowtide.store.transitions import move_replica
 
 
@@ -151,6 +151,71 @@ class ReplicasRepo(StoreBase):
                 .limit(limit)
             ).all()
         return [ServiceEventRecord(r.service, r.replica_id, r.at, r.kind, r.message) for r in reversed(rows)]
+
+    # -- reclaims ------------------------------------------------------------------------------
+
+    def open_reclaim(
+        self,
+        *,
+        service: str | None,
+        replica_id: str | None,
+        reason: str,
+        gpus: int,
+        victims: tuple[int, ...],
+        detected_at: float,
+        decided_at: float,
+    ) -> int:
+        with self._write() as conn:
+            reclaim_id = conn.execute(
+                sa.insert(reclaims)
+                .values(
+                    service=service,
+                    replica_id=replica_id,
+                    reason=reason,
+                    gpus=gpus,
+                    victims=list(victims),
+                    state="OPEN",
+                    detected_at=detected_at,
+                    decided_at=decided_at,
+                )
+                .returning(reclaims.c.id)
+            ).scalar_one()
+            if service is not None:
+                insert_service_event(conn, service, replica_id, decided_at, "reclaim", reason)
+            return int(reclaim_id)
+
+    def update_reclaim(self, reclaim_id: int, **phases: Any) -> None:
+        """Record phases (`notice_at`, `freed_at`, `healthy_at`) or the end (`state`)."""
+        allowed = {"notice_at", "freed_at", "healthy_at", "state"}
+        unknown = set(phases) - allowed
+        if unknown:
+            raise ValueError(f"unknown reclaim fields: {sorted(unknown)}")
+        with self._write() as conn:
+            conn.execute(sa.update(reclaims).where(reclaims.c.id == reclaim_id).values(**phases))
+
+    def reclaims(self, *, state: str | None = None, limit: int = 1000) -> list[ReclaimRecord]:
+        q = sa.select(reclaims).order_by(reclaims.c.id.desc()).limit(limit)
+        if state is not None:
+            q = q.where(reclaims.c.state == state)
+        with self._read() as conn:
+            rows = conn.execute(q).all()
+        return [
+            ReclaimRecord(
+                id=r.id,
+                service=r.service,
+                replica_id=r.replica_id,
+                reason=r.reason,
+                gpus=r.gpus,
+                victims=tuple(r.victims),
+                state=r.state,
+                detected_at=r.detected_at,
+                decided_at=r.decided_at,
+                notice_at=r.notice_at,
+                freed_at=r.freed_at,
+                healthy_at=r.healthy_at,
+            )
+            for r in reversed(rows)
+        ]
 
     def get_value(self, key: str) -> str | None:
         with self._read() as conn:

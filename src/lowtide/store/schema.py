@@ -66,6 +66,12 @@ steps = sa.Table(
     sa.Column("last_checkpoint", sa.Text),
     sa.Column("last_checkpoint_at", Time),
     sa.Column("updated_at", Time, nullable=False),
+    # Preemption: not before `min_runtime`; fail after `max_preemptions`; a restart costs this much.
+    sa.Column("min_runtime", sa.Float, nullable=False, server_default="0"),
+    sa.Column("max_preemptions", sa.Integer),
+    sa.Column("restart_seconds", sa.Float, nullable=False, server_default="60"),
+    # The grace of the stop in progress when it is shorter than the job's (a reclaim budget).
+    sa.Column("stop_grace", sa.Float),
     sa.UniqueConstraint("job_id", "name"),
     sa.Index(None, "state"),
 )
@@ -92,6 +98,9 @@ attempts = sa.Table(
     sa.Column("stop_reason", sa.Text),
     sa.Column("killed_at_deadline", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("work_dir", sa.Text, nullable=False),
+    # GPU-seconds of work this attempt lost when it was stopped: from its last checkpoint (or its
+    # start) to its end. Zero for attempts that finished; NULL while running.
+    sa.Column("lost_gpu_seconds", sa.Float),
     # Reproducibility record: resolved command, image, params, inputs and outputs of this attempt.
     sa.Column("record", sa.JSON, nullable=False),
     sa.Column("message", sa.Text, nullable=False, server_default=""),
@@ -206,4 +215,25 @@ service_events = sa.Table(
     sa.Column("kind", sa.String(32), nullable=False),
     sa.Column("message", sa.Text, nullable=False),
     sa.Index(None, "service", "at"),
+)
+
+
+# Every time inference takes GPUs back from research, with the phases the issue asks to see:
+# surge detected → decision (victims) → notice → GPUs free → replica healthy.
+reclaims = sa.Table(
+    "reclaims",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("service", sa.String(63)),  # None: lending itself shrank (window close, fail safe)
+    sa.Column("replica_id", sa.String(80)),
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("gpus", sa.Integer, nullable=False),
+    sa.Column("victims", sa.JSON, nullable=False),  # attempt ids
+    sa.Column("state", sa.String(16), nullable=False),  # OPEN | DONE | ABANDONED
+    sa.Column("detected_at", Time, nullable=False),
+    sa.Column("decided_at", Time, nullable=False),
+    sa.Column("notice_at", Time),
+    sa.Column("freed_at", Time),
+    sa.Column("healthy_at", Time),
+    sa.Index(None, "state"),
 )
