@@ -317,6 +317,26 @@ class LendingConfig(_Strict):
         return self
 
 
+class AccountingConfig(_Strict):
+    """Usage reports (`lowtide report`): what a GPU-hour of research would cost elsewhere, and
+    the time zone whose days they count in (default: `lending.timezone`)."""
+
+    price_per_gpu_hour: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    #: An ISO 4217 code such as USD or EUR.
+    currency: str = Field(default="USD", pattern=r"^[A-Z]{3}$")
+    timezone: str | None = None
+
+    @field_validator("timezone")
+    @classmethod
+    def _tz(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                ZoneInfo(v)
+            except (ZoneInfoNotFoundError, ValueError, OSError) as exc:
+                raise ValueError(f"unknown time zone {v!r} (use an IANA name such as Europe/Berlin)") from exc
+        return v
+
+
 class Settings(BaseSettings):
     """Everything a lowtide installation is configured with."""
 
@@ -342,6 +362,7 @@ class Settings(BaseSettings):
     #: Inference services lowtide scales and lends from (none: every GPU is research's).
     services: list[ServiceConfig] = Field(default_factory=list)
     lending: LendingConfig = Field(default_factory=LendingConfig)
+    accounting: AccountingConfig = Field(default_factory=AccountingConfig)
 
     @field_validator("tick_seconds", mode="before")
     @classmethod
@@ -404,6 +425,11 @@ class Settings(BaseSettings):
     @property
     def state_path(self) -> Path:
         return Path(self.state_dir)
+
+    @property
+    def accounting_timezone(self) -> str:
+        """The time zone of report days: `accounting.timezone`, else `lending.timezone`."""
+        return self.accounting.timezone or self.lending.timezone
 
     @property
     def database_url(self) -> str:

@@ -260,6 +260,7 @@ def build_inference(
             python=sys.executable,
             health_timeout_s=cfg.startup_timeout,
             drain_timeout_s=cfg.drain_timeout,
+            reclaim_grace_s=cfg.reclaim_grace,
             work_root=str(Path(settings.state_dir) / "services"),
         )
         for cfg in settings.services

@@ -20,6 +20,9 @@ of ours, or pid and start time matching); single processes only by our tag; anot
 processes are never touched. Every method takes `now` and none sleeps; `runtime kill` helpers are
 started and reaped by later polls. Not thread-safe: the control loop calls it from one thread.
 
+The process mechanics (shim command line, pid + start time identity, group signalling, tag
+sweeps, atomic records) are shared with `adapters.local_services` through `adapters.supervision`.
+
 Must not: decide retries or deadlines, touch the store, read configuration.
 """
 
@@ -27,27 +30,39 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import psutil
 
-from lowtide.adapters.container import (
-    CUDA_VISIBLE_DEVICES,
-    ContainerRuntime,
-    container_command,
-    container_name,
+from lowtide.adapters.container import ContainerRuntime, container_command, container_name
+from lowtide.adapters.supervision import (
+    SHIM_MODULE,
+    START_TIME_TOLERANCE,
+    ShimProcess,
+    atomic_write_json,
+    child_env,
+    command_problem,
+    find_shim,
+    identify_child,
+    iter_shims,
+    kill_orphan_shim,
+    kill_tagged,
+    live_shim_args,
+    read_exit_record,
+    read_shim_file,
+    reap_exited,
+    record_shim,
+    shim_argv,
+    start_shim,
 )
 from lowtide.control.executor_port import (
     AdoptOutcome,
@@ -61,10 +76,10 @@ from lowtide.control.executor_port import (
 
 log = logging.getLogger(__name__)
 
-SHIM_MODULE = "lowtide.adapters.step_shim"
+__all__ = ["EXIT_FILE", "SHIM_FILE", "SHIM_MODULE", "START_TIME_TOLERANCE", "TAG_ENV", "LocalExecutor"]
+
 EXIT_FILE = "exit_status.json"
 SHIM_FILE = "shim.json"
-START_TIME_TOLERANCE = 0.01  # seconds; psutil's create_time is derived from boot time and jiffies
 # Set in every step's environment ("<instance>/<attempt id>") and inherited by its descendants,
 # so what a step leaves behind can be found even after its group leader is gone or if it left the
 # group (setsid). Processes are only ever killed by this tag or by a verified group leader.
@@ -82,19 +97,12 @@ _TEMPORARY_ERRNOS = frozenset(
 _DETACHED: list[subprocess.Popen[bytes]] = []
 
 
-def _reap(children: list[subprocess.Popen[bytes]]) -> None:
-    children[:] = [p for p in children if p.poll() is None]
-
-
 @dataclass(slots=True)
-class _Watch:
-    """One attempt being watched."""
+class _Watch(ShimProcess):
+    """One attempt being watched: its shim (identity, `Popen` unless adopted, exit file) and more."""
 
     attempt_id: int
-    identity: ProcessIdentity
-    exit_file: str
     notice_path: str
-    popen: subprocess.Popen[bytes] | None  # None for adopted attempts (not our child)
     container: str | None  # container name when run through a runtime
     deadline: float | None = None
     killed_at_deadline: bool = False
@@ -107,80 +115,12 @@ class _Status:
     ended_at: float
 
 
-def _atomic_write_json(path: str, payload: dict[str, Any]) -> None:
-    """Write tmp + rename, so a reader (the step, a restarted control plane) never sees half a file."""
-    tmp = Path(f"{path}.tmp.{os.getpid()}")
-    try:
-        with tmp.open("w", encoding="utf-8") as f:
-            json.dump(payload, f)
-        tmp.replace(path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-
-
 def _read_status(path: str) -> _Status | None:
     """The recorded exit status, or None if the file is missing or not a valid status."""
-    try:
-        with Path(path).open(encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
+    record = read_exit_record(path, require_time=True)
+    if record is None or record.ended_at is None:
         return None
-    except (OSError, ValueError) as exc:
-        log.warning("unreadable exit file %s: %s", path, exc)
-        return None
-    fields = data if isinstance(data, dict) else {}
-    code, sig, ended = fields.get("exit_code"), fields.get("signal"), fields.get("ended_at")
-    # `type(x) is int` rejects bools, which JSON true/false would otherwise pass as ints.
-    if (
-        (code is not None and type(code) is not int)
-        or (sig is not None and type(sig) is not int)
-        or isinstance(ended, bool)
-        or not isinstance(ended, int | float)
-    ):
-        log.warning("invalid exit file %s: %r", path, data)
-        return None
-    return _Status(exit_code=code, signal=sig, ended_at=float(ended))
-
-
-def _parse_shim_cmdline(cmdline: Sequence[str]) -> tuple[str, int] | None:
-    """(instance, attempt id) if `cmdline` is a step shim's; options after ``--`` are the step's."""
-    try:
-        start = cmdline.index(SHIM_MODULE)
-    except ValueError:
-        return None
-    if start == 0 or cmdline[start - 1] != "-m":
-        return None
-    instance: str | None = None
-    attempt: int | None = None
-    args = list(cmdline[start + 1 :])
-    for i, arg in enumerate(args[:-1]):
-        if arg == "--":
-            break
-        if arg == "--instance":
-            instance = args[i + 1]
-        elif arg == "--attempt":
-            try:
-                attempt = int(args[i + 1])
-            except ValueError:
-                return None
-    if instance is None or attempt is None:
-        return None
-    return instance, attempt
-
-
-def _iter_shims() -> Iterator[tuple[psutil.Process, str, int]]:
-    """Live (non-zombie) step shims on this machine: (process, instance, attempt id)."""
-    for proc in psutil.process_iter():
-        try:
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                continue
-            parsed = _parse_shim_cmdline(proc.cmdline())
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-        if parsed is not None:
-            yield proc, parsed[0], parsed[1]
+    return _Status(exit_code=record.exit_code, signal=record.signal, ended_at=record.ended_at)
 
 
 def _tag(instance_id: str, attempt_id: int) -> str:
@@ -195,39 +135,10 @@ def _parse_tag(tag: str) -> tuple[str, int] | None:
         return None
 
 
-def _process_tag(proc: psutil.Process) -> str | None:
-    try:
-        return proc.environ().get(TAG_ENV)
-    except (psutil.Error, OSError):
-        return None
-
-
 def _kill_tagged(tag: str) -> None:
     """SIGKILL every live process carrying `tag`: a finished attempt's leftovers."""
-    me = os.getpid()
-    for proc in psutil.process_iter():
-        if proc.pid != me and _process_tag(proc) == tag:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()  # psutil refuses if the pid was reused since it listed the process
-                log.info("killed pid %s left behind by attempt %s", proc.pid, tag)
-
-
-def _same_process(identity: ProcessIdentity) -> psutil.Process | None:
-    """The process with this pid if it is the one that started at `identity.started_at`."""
-    try:
-        proc = psutil.Process(identity.pid)
-        if abs(proc.create_time() - identity.started_at) > START_TIME_TOLERANCE:
-            return None
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
-    return proc
-
-
-def _is_zombie(proc: psutil.Process) -> bool:
-    try:
-        return proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
+    for proc, _tag_value in kill_tagged(TAG_ENV, lambda value: value if value == tag else None):
+        log.info("killed pid %s left behind by attempt %s", proc.pid, tag)
 
 
 def _classify_os_error(exc: OSError, what: str) -> ExecutorError:
@@ -239,15 +150,9 @@ def _check_command(command: Sequence[str], env: dict[str, str], cwd: str) -> Non
     """Fail the launch now (permanently) when the command cannot be executed at all."""
     if not command:
         raise ExecutorError("empty command", temporary=False)
-    exe = command[0]
-    if "/" in exe:
-        path = Path(cwd, exe)  # an absolute exe replaces cwd
-        if not path.is_file():
-            raise ExecutorError(f"command not found: {exe}", temporary=False)
-        if not os.access(path, os.X_OK):
-            raise ExecutorError(f"command is not executable: {exe}", temporary=False)
-    elif shutil.which(exe, path=env.get("PATH", os.defpath)) is None:
-        raise ExecutorError(f"command not found on PATH: {exe}", temporary=False)
+    problem = command_problem(command[0], env, cwd)
+    if problem is not None:
+        raise ExecutorError(problem, temporary=False)
 
 
 class LocalExecutor:
@@ -274,10 +179,8 @@ class LocalExecutor:
         if request.attempt_id in self._watched:
             raise ExecutorError(f"attempt {request.attempt_id} is already running", temporary=False)
         req = replace(request, work_dir=str(Path(request.work_dir).absolute()))
-        env = {**os.environ, **req.env}
-        if CUDA_VISIBLE_DEVICES not in req.env:
-            # Never let a step inherit the control plane's view of the GPUs (inference's among them).
-            env[CUDA_VISIBLE_DEVICES] = ",".join(str(i) for i in sorted(req.gpus))
+        # Never let a step inherit the control plane's view of the GPUs (inference's among them).
+        env = child_env(req.env, req.gpus)
         env[TAG_ENV] = _tag(self.instance_id, req.attempt_id)
         name: str | None = None
         if self._runtime is not None:
@@ -297,63 +200,35 @@ class LocalExecutor:
 
         work_dir = Path(req.work_dir)
         exit_file = str(work_dir / EXIT_FILE)
-        argv = [
-            self._python, "-I", "-m", SHIM_MODULE,
-            "--instance", self.instance_id,
-            "--attempt", str(req.attempt_id),
-            "--exit-file", exit_file,
-            "--", *command,
-        ]  # fmt: skip
+        argv = shim_argv(self._python, self.instance_id, req.attempt_id, exit_file, command)
         try:
             for directory in {work_dir, Path(req.log_path).parent, Path(req.notice_path).parent}:
                 directory.mkdir(parents=True, exist_ok=True)
             # Leftovers of an earlier launch of this attempt would be read as this run's.
             for stale in (exit_file, req.notice_path, work_dir / SHIM_FILE):
                 Path(stale).unlink(missing_ok=True)
-            with Path(req.log_path).open("ab") as logf:
-                stamp = datetime.fromtimestamp(now, UTC).isoformat(timespec="seconds")
-                header = (
-                    f"=== lowtide {stamp}: job {req.job_id} step {req.step} attempt {req.attempt} "
-                    f"(id {req.attempt_id}) on {req.node} gpus [{','.join(map(str, req.gpus))}]: "
-                    f"{shlex.join(command)}\n"
-                )
-                logf.write(header.encode())
-                logf.flush()
-                popen = subprocess.Popen(
-                    argv,
-                    cwd=req.work_dir,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=logf,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,  # own group; no SIGHUP when the control plane dies
-                    close_fds=True,
-                )
+            stamp = datetime.fromtimestamp(now, UTC).isoformat(timespec="seconds")
+            header = (
+                f"=== lowtide {stamp}: job {req.job_id} step {req.step} attempt {req.attempt} "
+                f"(id {req.attempt_id}) on {req.node} gpus [{','.join(map(str, req.gpus))}]: "
+                f"{shlex.join(command)}\n"
+            )
+            popen = start_shim(argv, cwd=req.work_dir, env=env, log_path=req.log_path, header=header)
         except FileNotFoundError as exc:
             raise ExecutorError(f"cannot start attempt {req.attempt_id}: {exc}", temporary=False) from exc
         except OSError as exc:
             raise _classify_os_error(exc, f"cannot start attempt {req.attempt_id}") from exc
 
         try:
-            started_at = psutil.Process(popen.pid).create_time()
-        except psutil.Error as exc:  # cannot happen for an unreaped child; be explicit if it does
-            popen.kill()
-            self._reap_later.append(popen)
+            identity = identify_child(popen, self._reap_later)
+        except psutil.Error as exc:
             raise ExecutorError(f"cannot read start time of pid {popen.pid}: {exc}", temporary=True) from exc
-        identity = ProcessIdentity(pid=popen.pid, started_at=started_at)
-        try:
-            _atomic_write_json(
-                str(work_dir / SHIM_FILE),
-                {
-                    "pid": identity.pid,
-                    "started_at": identity.started_at,
-                    "instance": self.instance_id,
-                    "attempt_id": req.attempt_id,
-                    "container": name,
-                },
-            )
-        except OSError as exc:  # only an aid to adoption: the process runs, so keep it
-            log.warning("attempt %s: cannot write %s: %s", req.attempt_id, SHIM_FILE, exc)
+        record_shim(
+            work_dir / SHIM_FILE,
+            identity,
+            {"instance": self.instance_id, "attempt_id": req.attempt_id, "container": name},
+            who=f"attempt {req.attempt_id}",
+        )
         self._watched[req.attempt_id] = _Watch(
             attempt_id=req.attempt_id,
             identity=identity,
@@ -383,34 +258,22 @@ class LocalExecutor:
             "given_at": now,
         }
         try:
-            _atomic_write_json(watch.notice_path, notice)
+            atomic_write_json(watch.notice_path, notice)
         except OSError as exc:
             # SIGTERM is the notice that matters; the file only carries the deadline.
             log.warning("attempt %s: cannot write notice %s: %s", attempt_id, watch.notice_path, exc)
         if first:
             self._signal_group(watch, signal.SIGTERM)
 
-    @staticmethod
-    def _group_is_ours(watch: _Watch) -> bool:
-        """True when the group `identity.pid` is this attempt's: its leader, the shim, is still
-        there (running or a zombie) with the recorded start time, so the id cannot name another
-        group. A group whose leader is gone is left to the tag sweep."""
-        if watch.popen is not None and watch.popen.returncode is None:
-            return True  # an unreaped child's pid cannot be reused
-        return _same_process(watch.identity) is not None
-
     def _signal_group(self, watch: _Watch, sig: signal.Signals) -> None:
-        if not self._group_is_ours(watch):
+        try:
+            signalled = watch.signal_group(sig)
+        except PermissionError as exc:
+            raise ExecutorError(f"cannot signal attempt {watch.attempt_id}: {exc}", temporary=False) from exc
+        if not signalled:
             log.info(
                 "attempt %s: group leader %s is gone; not signalled", watch.attempt_id, watch.identity.pid
             )
-            return
-        try:
-            os.killpg(watch.identity.pid, sig)
-        except ProcessLookupError:
-            pass  # already gone; the next poll reports it
-        except PermissionError as exc:
-            raise ExecutorError(f"cannot signal attempt {watch.attempt_id}: {exc}", temporary=False) from exc
 
     def _sweep(self, watch: _Watch) -> None:
         """Kill what a finished attempt left behind: it would keep holding the GPUs."""
@@ -437,8 +300,8 @@ class LocalExecutor:
     # -- watch ----------------------------------------------------------------------------
 
     def poll(self, now: float) -> list[AttemptExit]:
-        _reap(self._reap_later)
-        _reap(_DETACHED)
+        reap_exited(self._reap_later)
+        reap_exited(_DETACHED)
         exits: list[AttemptExit] = []
         for watch in list(self._watched.values()):
             try:
@@ -452,37 +315,10 @@ class LocalExecutor:
                 exits.append(result)
         return exits
 
-    def _alive(self, watch: _Watch) -> bool:
-        if watch.popen is not None:
-            # WNOWAIT: look without reaping, so the pid stays reserved until we sweep the group.
-            try:
-                info = os.waitid(os.P_PID, watch.identity.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-            except ChildProcessError:
-                # Reaped behind our back (a SIGCHLD handler?): fall back to pid + start time.
-                watch.popen = None
-            else:
-                return info is None
-        proc = _same_process(watch.identity)
-        if proc is None:
-            return False
-        if _is_zombie(proc):
-            self._reap_if_child(proc)
-            return False
-        return True
-
-    @staticmethod
-    def _reap_if_child(proc: psutil.Process) -> None:
-        """An adopted shim can be our child when the same process re-adopts (tests, embedded)."""
-        try:
-            if proc.ppid() == os.getpid():
-                os.waitpid(proc.pid, os.WNOHANG)
-        except (psutil.Error, ChildProcessError):
-            pass
-
     def _poll_one(self, watch: _Watch, now: float) -> AttemptExit | None:
         status = _read_status(watch.exit_file)
         if status is None:
-            if self._alive(watch):
+            if watch.alive():
                 if watch.deadline is not None and now >= watch.deadline and not watch.killed_at_deadline:
                     log.info("attempt %s: grace deadline passed; killing its group", watch.attempt_id)
                     self._signal_group(watch, signal.SIGKILL)
@@ -575,79 +411,45 @@ class LocalExecutor:
         )
 
     def _is_live_shim(self, identity: ProcessIdentity, attempt_id: int, *, require_instance: bool) -> bool:
-        proc = _same_process(identity)
-        if proc is None:
-            return False
-        try:
-            if _is_zombie(proc):
-                self._reap_if_child(proc)
-                return False
-            parsed = _parse_shim_cmdline(proc.cmdline())
-        except psutil.Error:
-            return False
+        parsed = live_shim_args(identity)
         if parsed is None or parsed[1] != attempt_id:
             return False
         return not require_instance or parsed[0] == self.instance_id
 
     def _read_shim_file(self, work_dir: Path, attempt_id: int) -> tuple[ProcessIdentity, str | None] | None:
-        path = work_dir / SHIM_FILE
-        try:
-            with path.open(encoding="utf-8") as f:
-                data = json.load(f)
-            if data.get("instance") != self.instance_id or data.get("attempt_id") != attempt_id:
-                return None
-            identity = ProcessIdentity(pid=int(data["pid"]), started_at=float(data["started_at"]))
-            container = data.get("container")
-            return identity, container if isinstance(container, str) else None
-        except FileNotFoundError:
+        found = read_shim_file(work_dir / SHIM_FILE, {"instance": self.instance_id, "attempt_id": attempt_id})
+        if found is None:
             return None
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            log.warning("unreadable %s: %s", path, exc)
-            return None
+        identity, data = found
+        container = data.get("container")
+        return identity, container if isinstance(container, str) else None
 
     def _find_shim(self, attempt_id: int, hint: ProcessIdentity | None) -> ProcessIdentity | None:
         if hint is not None and self._is_live_shim(hint, attempt_id, require_instance=True):
             return hint
-        for proc, instance, found in _iter_shims():
-            if instance == self.instance_id and found == attempt_id:
-                try:
-                    return ProcessIdentity(pid=proc.pid, started_at=proc.create_time())
-                except psutil.Error:
-                    continue
-        return None
+        return find_shim(lambda _proc, instance, found: instance == self.instance_id and found == attempt_id)
 
     # -- housekeeping ---------------------------------------------------------------------
 
     def reap_orphans(self, known_attempt_ids: set[int]) -> list[int]:
+        def orphan(tag: str) -> int | None:
+            parsed = _parse_tag(tag)
+            if parsed is None or parsed[0] != self.instance_id or parsed[1] in known_attempt_ids:
+                return None
+            return parsed[1]
+
         killed: set[int] = set()
-        for proc, instance, attempt_id in _iter_shims():
+        for proc, instance, attempt_id in iter_shims():
             if instance != self.instance_id or attempt_id in known_attempt_ids:
                 continue
-            try:
-                # is_running() re-checks the start time: the pid still names the shim we listed.
-                # The shim leads its group (new session); if it somehow does not, kill only it.
-                if proc.is_running() and os.getpgid(proc.pid) == proc.pid:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                else:
-                    proc.kill()
-            except (ProcessLookupError, psutil.NoSuchProcess):
-                continue
-            except (PermissionError, psutil.AccessDenied) as exc:
-                log.warning("cannot kill orphan shim of attempt %s (pid %s): %s", attempt_id, proc.pid, exc)
+            if not kill_orphan_shim(proc, f"shim of attempt {attempt_id}"):
                 continue
             log.info("killed orphan attempt %s (shim pid %s)", attempt_id, proc.pid)
             killed.add(attempt_id)
         # What outlived its shim (or left its group) still carries the attempt's tag.
-        me = os.getpid()
-        for proc in psutil.process_iter():
-            tag = _process_tag(proc) if proc.pid != me else None
-            parsed = _parse_tag(tag) if tag else None
-            if parsed is None or parsed[0] != self.instance_id or parsed[1] in known_attempt_ids:
-                continue
-            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-                proc.kill()
-                log.info("killed pid %s left by orphan attempt %s", proc.pid, parsed[1])
-                killed.add(parsed[1])
+        for proc, attempt_id in kill_tagged(TAG_ENV, orphan):
+            log.info("killed pid %s left by orphan attempt %s", proc.pid, attempt_id)
+            killed.add(attempt_id)
         if self._runtime is not None:
             for attempt_id in killed:
                 self._kill_container(attempt_id, container_name(self.instance_id, attempt_id))
@@ -659,7 +461,7 @@ class LocalExecutor:
         _DETACHED.extend(self._reap_later)
         self._watched.clear()
         self._reap_later = []
-        _reap(_DETACHED)
+        reap_exited(_DETACHED)
 
     def watched(self) -> set[int]:
         """Attempt ids currently watched (for diagnostics and tests)."""

@@ -7,24 +7,17 @@ what happened through `poll`.
 
 **Processes.** A replica runs under the same supervisor as research steps, `adapters.step_shim`,
 in its own session and process group, so it outlives a control-plane crash and its exit status is
-recorded (``<work_dir>/replica_exit.json``). The shim needs an integer ``--attempt``; replicas use
-their own numbering, kept apart from step attempts by the shim's ``--instance``, which for replicas
-is ``"<instance id>:replicas"``: `LocalExecutor.reap_orphans` only touches shims of its own instance
-id, and this manager only shims of the ``:replicas`` one. The number is a stable 32-bit hash of the
-replica id (the same for every start of a replica, so a restarted control plane can recognise the
-shim by its command line); the exact replica id travels in the process environment
-(`REPLICA_TAG_ENV`, ``"<instance id> <replica id>"``), which every descendant inherits (a vLLM
-engine core too), so leftovers are found even if they left the group. The executor's step tag
-(`local_executor.TAG_ENV`) is removed from a replica's environment, so the two never meet.
-``<work_dir>/replica_shim.json`` holds the shim's pid and start time for `adopt`.
+recorded. Starting, finding (for `adopt`) and killing replica processes, and how they are named
+apart from step attempts (shim ``--instance "<instance id>:replicas"``, `REPLICA_TAG_ENV`), is
+`adapters.replica_processes`; the mechanics it shares with `adapters.local_executor` are
+`adapters.supervision`.
 
 **Health checks never block the loop.** Every HTTP request runs on one background thread with an
-asyncio loop (`httpx.AsyncClient`, no proxies from the environment, no keep-alive, `http_timeout_s`
-per request); `poll` only collects finished results, checks process liveness (a `waitid` without
-reaping, or pid + start time for adopted processes), applies deadlines and submits the next
-request. A replica has at most one request in flight (so a POST /sleep and a later POST /wake_up
-reach it in order) and gets one at most every `health_interval_s`. A request that hangs only
-delays that replica.
+asyncio loop (`adapters.replica_checks`, `http_timeout_s` per request); `poll` only collects
+finished results, checks process liveness (a `waitid` without reaping, or pid + start time for
+adopted processes), applies deadlines and submits the next request. A replica has at most one
+request in flight (so a POST /sleep and a later POST /wake_up reach it in order) and gets one at
+most every `health_interval_s`. A request that hangs only delays that replica.
 
 **States tracked per replica** (`Phase`; "live" = a process exists):
 - STARTING (live): launched; GET /health until 200 → HEALTHY, event ``healthy``. Not healthy
@@ -66,55 +59,40 @@ configuration, or raise from `poll`.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import errno
-import hashlib
-import json
 import logging
-import os
-import shlex
-import shutil
 import signal
-import socket
-import subprocess
 import sys
-import threading
-from collections.abc import Iterator, Sequence
-from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from enum import StrEnum
-from pathlib import Path
-from typing import Any, Literal
 
-import httpx
 import psutil
 
-from lowtide.adapters.local_executor import SHIM_MODULE, START_TIME_TOLERANCE
-from lowtide.adapters.local_executor import TAG_ENV as STEP_TAG_ENV
-from lowtide.control.executor_port import ProcessIdentity
+from lowtide.adapters.replica_checks import CHECK_THREAD_NAME, Answer, Checker, ProbeKind, describe_answer
+from lowtide.adapters.replica_processes import (
+    EXIT_FILE,
+    REPLICA_TAG_ENV,
+    SHIM_FILE,
+    SHIM_INSTANCE_SUFFIX,
+    ReplicaProcesses,
+    SpawnError,
+)
+from lowtide.adapters.supervision import ShimProcess, still_there
 from lowtide.control.inference_ports import ReplicaEvent, ReplicaEventKind, ReplicaLaunch
 from lowtide.domain.services import ParkMode
 
 log = logging.getLogger(__name__)
 
-EXIT_FILE = "replica_exit.json"
-SHIM_FILE = "replica_shim.json"
-#: ``"<instance id> <replica id>"`` in every replica process's environment (and its descendants').
-REPLICA_TAG_ENV = "LOWTIDE_REPLICA_TAG"
-SHIM_INSTANCE_SUFFIX = ":replicas"
-CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
-CHECK_THREAD_NAME = "lowtide-replica-checks"
-
-# Children of this process that no manager watches any more (after `close`), kept referenced so a
-# later poll reaps them instead of leaving zombies. Process-wide, as child processes are.
-_DETACHED: list[subprocess.Popen[bytes]] = []
-
-
-def _reap(children: list[subprocess.Popen[bytes]]) -> None:
-    children[:] = [p for p in children if p.poll() is None]
+__all__ = [
+    "CHECK_THREAD_NAME",
+    "EXIT_FILE",
+    "REAP_LIMIT_S",
+    "REPLICA_TAG_ENV",
+    "SHIM_FILE",
+    "SHIM_INSTANCE_SUFFIX",
+    "LocalServiceManager",
+    "Phase",
+]
 
 
 class Phase(StrEnum):
@@ -141,36 +119,16 @@ REAP_LIMIT_S = 30.0
 # Phases waiting for an HTTP answer before a deadline.
 _PROBING = frozenset({Phase.STARTING, Phase.SLEEPING, Phase.WAKING, Phase.CHECKING})
 
-ProbeKind = Literal["health", "state", "sleep", "is_sleeping", "wake", "awake"]
-
-
-@dataclass(frozen=True, slots=True)
-class _Answer:
-    """The outcome of one background check (one or two HTTP requests)."""
-
-    status: int | None = None  # HTTP status of the first request; None: no answer
-    sleeping: bool | None = None  # from /is_sleeping; None: not asked or not understood
-    healthy: bool = False  # /health answered 200
-    error: str = ""  # why no answer came
-    sent: bool = False  # no answer, but the request reached the server (a read timeout)
-
-
-@dataclass(slots=True)
-class _Proc:
-    identity: ProcessIdentity
-    popen: subprocess.Popen[bytes] | None  # None for adopted processes (not our child)
-    exit_file: str
-
 
 @dataclass(slots=True)
 class _Replica:
     launch: ReplicaLaunch
     phase: Phase
-    proc: _Proc | None = None
+    proc: ShimProcess | None = None
     since: float = 0.0  # when the phase began
     deadline: float | None = None  # probing phases: fail then; STOPPING: SIGKILL then
     op: int = 0  # bumped on every phase change: answers to an older phase's request are dropped
-    inflight: Future[_Answer] | None = None
+    inflight: Future[Answer] | None = None
     inflight_op: int = 0
     inflight_kind: ProbeKind = "health"
     inflight_since: float = 0.0
@@ -182,246 +140,6 @@ class _Replica:
     detail: str = ""  # STOPPED / FAILED: detail of the event that said so
     lingering: list[psutil.Process] = field(default_factory=list)  # REAPING: SIGKILLed, not gone yet
     outcome: tuple[ReplicaEventKind, str, Phase] | None = None  # REAPING: what to report once gone
-
-
-# -- process helpers ------------------------------------------------------------------------------
-
-
-def _shim_number(replica_id: str) -> int:
-    """The shim's ``--attempt`` for a replica: stable across starts and control-plane restarts."""
-    return int.from_bytes(hashlib.blake2b(replica_id.encode(), digest_size=4).digest(), "big")
-
-
-def _parse_tag(tag: str | None) -> tuple[str, str] | None:
-    if not tag:
-        return None
-    instance, sep, replica_id = tag.partition(" ")
-    return (instance, replica_id) if sep and instance and replica_id else None
-
-
-def _process_tag(proc: psutil.Process) -> tuple[str, str] | None:
-    try:
-        return _parse_tag(proc.environ().get(REPLICA_TAG_ENV))
-    except (psutil.Error, OSError):
-        return None
-
-
-def _shim_args(cmdline: Sequence[str]) -> tuple[str, int] | None:
-    """(instance, number) when `cmdline` is a step shim's; what follows ``--`` is the command's."""
-    try:
-        at = cmdline.index(SHIM_MODULE)
-    except ValueError:
-        return None
-    if at == 0 or cmdline[at - 1] != "-m":
-        return None
-    instance: str | None = None
-    number: int | None = None
-    args = list(cmdline[at + 1 :])
-    for i, arg in enumerate(args[:-1]):
-        if arg == "--":
-            break
-        if arg == "--instance":
-            instance = args[i + 1]
-        elif arg == "--attempt":
-            try:
-                number = int(args[i + 1])
-            except ValueError:
-                return None
-    return (instance, number) if instance is not None and number is not None else None
-
-
-def _same_process(identity: ProcessIdentity) -> psutil.Process | None:
-    """The process with this pid if it is the one that started at `identity.started_at`."""
-    try:
-        proc = psutil.Process(identity.pid)
-        if abs(proc.create_time() - identity.started_at) > START_TIME_TOLERANCE:
-            return None
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
-    return proc
-
-
-def _is_zombie(proc: psutil.Process) -> bool:
-    try:
-        return proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def _still_there(proc: psutil.Process) -> bool:
-    """False once a process we listed has exited (a zombie has freed its memory and GPUs)."""
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _reap_if_child(proc: psutil.Process) -> None:
-    """An adopted shim is our child when the same process re-adopts it (tests, embedded mode)."""
-    with contextlib.suppress(psutil.Error, ChildProcessError):
-        if proc.ppid() == os.getpid():
-            os.waitpid(proc.pid, os.WNOHANG)
-
-
-def _read_status(path: str) -> tuple[int | None, int | None] | None:
-    """(exit code, signal) recorded by the shim, or None when there is no valid record."""
-    try:
-        with Path(path).open(encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        log.warning("unreadable exit file %s: %s", path, exc)
-        return None
-    if not isinstance(data, dict):
-        return None
-    code, sig = data.get("exit_code"), data.get("signal")
-    if (code is not None and type(code) is not int) or (sig is not None and type(sig) is not int):
-        return None
-    return code, sig
-
-
-def _describe_exit(code: int | None, sig: int | None) -> str:
-    if sig is not None:
-        try:
-            return f"was killed by {signal.Signals(sig).name}"
-        except ValueError:
-            return f"was killed by signal {sig}"
-    return f"exited with code {code}"
-
-
-def _write_json(path: Path, payload: dict[str, Any]) -> None:
-    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(payload), encoding="utf-8")
-        tmp.replace(path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-
-
-def _port_taken(port: int) -> bool:
-    """True when something already listens on `port` (an old replica would answer our checks)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError as exc:
-            return exc.errno == errno.EADDRINUSE
-    return False
-
-
-def _launch_problem(launch: ReplicaLaunch, env: dict[str, str], cwd: Path) -> str | None:
-    """Why the replica cannot start at all, or None."""
-    exe = launch.command[0]
-    if "/" in exe:
-        path = cwd / exe  # an absolute exe replaces cwd
-        if not path.is_file():
-            return f"command not found: {exe}"
-        if not os.access(path, os.X_OK):
-            return f"command is not executable: {exe}"
-    elif shutil.which(exe, path=env.get("PATH", os.defpath)) is None:
-        return f"command not found on PATH: {exe}"
-    if _port_taken(launch.port):
-        return f"port {launch.port} is already in use"
-    return None
-
-
-# -- HTTP checks (run on the check thread; they touch no manager state) ---------------------------
-
-
-def _sleeping_flag(response: httpx.Response) -> bool | None:
-    if response.status_code != 200:
-        return None
-    try:
-        value = response.json().get("is_sleeping")
-    except (ValueError, AttributeError):
-        return None
-    return value if isinstance(value, bool) else None
-
-
-async def _probe(client: httpx.AsyncClient, base: str, kind: ProbeKind) -> _Answer:
-    try:
-        if kind == "health":
-            return _Answer(status=(await client.get(f"{base}/health")).status_code)
-        if kind == "sleep":
-            return _Answer(status=(await client.post(f"{base}/sleep", params={"level": "1"})).status_code)
-        if kind == "wake":
-            return _Answer(status=(await client.post(f"{base}/wake_up")).status_code)
-        response = await client.get(f"{base}/is_sleeping")
-        sleeping = _sleeping_flag(response)
-        if (
-            kind == "is_sleeping"
-            or (kind == "state" and sleeping)
-            or (kind == "awake" and sleeping is not False)
-        ):
-            return _Answer(status=response.status_code, sleeping=sleeping)
-        healthy = (await client.get(f"{base}/health")).status_code == 200
-        return _Answer(status=response.status_code, sleeping=sleeping, healthy=healthy)
-    except httpx.ReadTimeout as exc:
-        return _Answer(error=f"no answer within the timeout ({type(exc).__name__})", sent=True)
-    except httpx.HTTPError as exc:
-        return _Answer(error=f"{type(exc).__name__}: {exc}")
-    except Exception as exc:  # a check must never take the event loop down
-        return _Answer(error=f"{type(exc).__name__}: {exc}")
-
-
-class _Checker:
-    """An asyncio loop on one daemon thread that runs the HTTP checks: submitting one costs
-    microseconds (no thread to start), a hanging request holds no thread, and `close` cancels
-    whatever is in flight at once."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._client = httpx.AsyncClient(
-            timeout=timeout_s,
-            trust_env=False,  # never route 127.0.0.1 through a proxy from the environment
-            # At most one check per replica is in flight; no keep-alive, so a replica restarted on
-            # the same port never gets a request on its predecessor's connection.
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
-        )
-        self._thread = threading.Thread(target=self._run, name=CHECK_THREAD_NAME, daemon=True)
-        self._thread.start()
-        self._closed = False
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._loop.run_forever()
-            self._loop.run_until_complete(self._drain())
-        finally:
-            self._loop.close()
-
-    async def _drain(self) -> None:
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await self._client.aclose()
-
-    def submit(self, base: str, kind: ProbeKind) -> Future[_Answer]:
-        return asyncio.run_coroutine_threadsafe(_probe(self._client, base, kind), self._loop)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10.0)
-        if self._thread.is_alive():
-            log.warning("the replica check thread did not stop within 10 s")
-
-
-def _describe_answer(kind: ProbeKind, answer: _Answer) -> str:
-    if answer.error:
-        return f"{kind} check: {answer.error}"
-    parts = [f"{kind} check: HTTP {answer.status}"]
-    if answer.sleeping is not None:
-        parts.append(f"is_sleeping={str(answer.sleeping).lower()}")
-    if kind in ("state", "awake") and answer.sleeping is not True:
-        parts.append(f"health {'200' if answer.healthy else 'not 200'}")
-    return ", ".join(parts)
 
 
 # -- the manager ----------------------------------------------------------------------------------
@@ -448,11 +166,10 @@ class LocalServiceManager:
         self.http_timeout_s = http_timeout_s
         self.stop_grace_s = stop_grace_s
         self._python = python
-        self._shim_instance = instance_id + SHIM_INSTANCE_SUFFIX
+        self._procs = ReplicaProcesses(instance_id, python)
         self._replicas: dict[str, _Replica] = {}
         self._events: list[ReplicaEvent] = []
-        self._reap_later: list[subprocess.Popen[bytes]] = []
-        self._checker = _Checker(http_timeout_s)
+        self._checker = Checker(http_timeout_s)
         self._closed = False
 
     # -- the port -------------------------------------------------------------------------------
@@ -509,8 +226,7 @@ class LocalServiceManager:
 
     def poll(self, now: float) -> list[ReplicaEvent]:
         """Events since the last poll. Never raises; returns quickly (no HTTP on this thread)."""
-        _reap(self._reap_later)
-        _reap(_DETACHED)
+        self._procs.reap()
         exited: list[_Replica] = []
         for rep in list(self._replicas.values()):
             try:
@@ -539,45 +255,20 @@ class LocalServiceManager:
         known = self._replicas.get(replica_id)
         if known is not None and known.phase not in _GONE:
             return True
-        work_dir = Path(launch.work_dir).absolute()
-        exit_file = str(work_dir / EXIT_FILE)
-        identity = None
-        if _read_status(exit_file) is None:
-            identity = self._find_shim(replica_id, self._read_shim_file(work_dir, replica_id))
-        if identity is None:
-            self._kill_tagged({replica_id})
+        proc = self._procs.find(launch)
+        if proc is None:
+            self._procs.kill_tagged({replica_id})
             log.info("replica %s: not running any more; nothing to adopt", replica_id)
             return False
-        rep = _Replica(launch=launch, phase=Phase.CHECKING, proc=_Proc(identity, None, exit_file))
+        rep = _Replica(launch=launch, phase=Phase.CHECKING, proc=proc)
         self._set_phase(rep, Phase.CHECKING, now, deadline=now + launch.health_timeout_s)
         self._replicas[replica_id] = rep
-        log.info("replica %s: adopted shim pid %s", replica_id, identity.pid)
+        log.info("replica %s: adopted shim pid %s", replica_id, proc.identity.pid)
         return True
 
     def reap_orphans(self, known_ids: set[str]) -> list[str]:
         """SIGKILL the replica processes of this installation whose id is not in `known_ids`."""
-        _reap(_DETACHED)
-        killed: set[str] = set()
-        for proc, _number in self._iter_shims():
-            tag = _process_tag(proc)
-            if tag is None or tag[0] != self.instance_id or tag[1] in known_ids:
-                continue
-            try:
-                # is_running() re-checks the start time: the pid still names the shim we listed.
-                if proc.is_running() and os.getpgid(proc.pid) == proc.pid:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                else:
-                    proc.kill()
-            except (ProcessLookupError, psutil.NoSuchProcess):
-                continue
-            except (PermissionError, psutil.AccessDenied) as exc:
-                log.warning("cannot kill orphan replica %s (pid %s): %s", tag[1], proc.pid, exc)
-                continue
-            log.warning("killed orphan replica %s (shim pid %s)", tag[1], proc.pid)
-            killed.add(tag[1])
-        # What outlived its shim, or left its group, still carries the tag.
-        killed.update(replica_id for _proc, replica_id in self._kill_tagged(None, spare=known_ids))
-        return sorted(killed)
+        return self._procs.reap_orphans(known_ids)
 
     def close(self) -> None:
         """Stop watching; replica processes keep running for a later control plane to adopt.
@@ -585,14 +276,13 @@ class LocalServiceManager:
         if self._closed:
             return
         self._closed = True
-        for rep in self._replicas.values():
-            if rep.proc is not None and rep.proc.popen is not None:
-                _DETACHED.append(rep.proc.popen)
-        _DETACHED.extend(self._reap_later)
+        self._procs.detach(
+            rep.proc.popen
+            for rep in self._replicas.values()
+            if rep.proc is not None and rep.proc.popen is not None
+        )
         self._replicas.clear()
-        self._reap_later = []
         self._checker.close()
-        _reap(_DETACHED)
 
     # -- diagnostics ------------------------------------------------------------------------------
 
@@ -612,75 +302,12 @@ class LocalServiceManager:
         rep = _Replica(launch=launch, phase=Phase.STARTING)
         self._set_phase(rep, Phase.STARTING, now, deadline=now + launch.health_timeout_s)
         self._replicas[rid] = rep
-        work_dir = Path(launch.work_dir).absolute()
-        env = {**os.environ, **launch.env}
-        env.pop(STEP_TAG_ENV, None)  # a replica is not a research step
-        if CUDA_VISIBLE_DEVICES not in launch.env:
-            # Never let a replica inherit the control plane's view of the GPUs.
-            env[CUDA_VISIBLE_DEVICES] = ",".join(str(i) for i in sorted(launch.gpus))
-        env[REPLICA_TAG_ENV] = f"{self.instance_id} {rid}"
-        exit_file = work_dir / EXIT_FILE
-        argv = [
-            self._python, "-I", "-m", SHIM_MODULE,
-            "--instance", self._shim_instance,
-            "--attempt", str(_shim_number(rid)),
-            "--exit-file", str(exit_file),
-            "--", *launch.command,
-        ]  # fmt: skip
         try:
-            for directory in {work_dir, Path(launch.log_path).absolute().parent}:
-                directory.mkdir(parents=True, exist_ok=True)
-            problem = _launch_problem(launch, env, work_dir)
-            if problem is not None:
-                self._fail_now(rep, now, problem)
-                return
-            # Leftovers of the previous run would be read as this one's.
-            for stale in (exit_file, work_dir / SHIM_FILE):
-                stale.unlink(missing_ok=True)
-            with Path(launch.log_path).open("ab") as logf:
-                stamp = datetime.fromtimestamp(now, UTC).isoformat(timespec="seconds")
-                logf.write(
-                    f"=== lowtide {stamp}: replica {rid} (model {launch.model}) on {launch.node} gpus "
-                    f"[{','.join(map(str, launch.gpus))}] port {launch.port}: "
-                    f"{shlex.join(launch.command)}\n".encode()
-                )
-                logf.flush()
-                popen = subprocess.Popen(
-                    argv,
-                    cwd=work_dir,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=logf,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,  # own group; no SIGHUP when the control plane dies
-                    close_fds=True,
-                )
-        except OSError as exc:
-            self._fail_now(rep, now, f"cannot start: {exc}")
+            rep.proc = self._procs.spawn(launch, now)
+        except SpawnError as exc:
+            self._fail_now(rep, now, str(exc))
             return
-        try:
-            started_at = psutil.Process(popen.pid).create_time()
-        except psutil.Error as exc:  # cannot happen for an unreaped child; be explicit if it does
-            popen.kill()
-            self._reap_later.append(popen)
-            self._fail_now(rep, now, f"cannot read the start time of pid {popen.pid}: {exc}")
-            return
-        identity = ProcessIdentity(pid=popen.pid, started_at=started_at)
-        rep.proc = _Proc(identity, popen, str(exit_file))
-        try:
-            _write_json(
-                work_dir / SHIM_FILE,
-                {
-                    "pid": identity.pid,
-                    "started_at": identity.started_at,
-                    "instance": self.instance_id,
-                    "replica_id": rid,
-                    "port": launch.port,
-                },
-            )
-        except OSError as exc:  # only an aid to adoption: the process runs, so keep it
-            log.warning("replica %s: cannot write %s: %s", rid, SHIM_FILE, exc)
-        log.info("replica %s: started (shim pid %s, port %s)", rid, popen.pid, launch.port)
+        log.info("replica %s: started (shim pid %s, port %s)", rid, rep.proc.identity.pid, launch.port)
 
     def _fail_now(self, rep: _Replica, now: float, why: str) -> None:
         log.warning("replica %s: %s", rep.launch.replica_id, why)
@@ -693,13 +320,13 @@ class LocalServiceManager:
     def _poll_one(self, rep: _Replica, now: float) -> bool:
         """Advance one replica; True when its process has exited (handled by `_on_exits`)."""
         if rep.phase == Phase.REAPING:
-            rep.lingering = [p for p in rep.lingering if _still_there(p)]
+            rep.lingering = [p for p in rep.lingering if still_there(p)]
             if not rep.lingering or (rep.deadline is not None and now >= rep.deadline):
                 self._conclude(rep, now)
             return False
         if rep.phase in _GONE or rep.proc is None:
             return False
-        if not self._alive(rep.proc):
+        if not rep.proc.alive():
             return True
         future = rep.inflight
         if future is not None and future.done():
@@ -744,8 +371,8 @@ class LocalServiceManager:
         rep.inflight_since = now
         rep.next_check = now + self.health_interval_s
 
-    def _on_answer(self, rep: _Replica, kind: ProbeKind, answer: _Answer, now: float) -> None:
-        rep.last = _describe_answer(kind, answer)
+    def _on_answer(self, rep: _Replica, kind: ProbeKind, answer: Answer, now: float) -> None:
+        rep.last = describe_answer(kind, answer)
         ok = answer.status is not None and 200 <= answer.status < 300
         if kind == "health" and answer.status == 200:
             self._to(rep, Phase.HEALTHY, now, "healthy")
@@ -780,7 +407,7 @@ class LocalServiceManager:
             # While an unreaped shim still reserves the group id, the whole group can be killed.
             self._signal_group(rep, signal.SIGKILL)
         try:
-            leftovers = self._kill_tagged({rep.launch.replica_id for rep in exited})
+            leftovers = self._procs.kill_tagged({rep.launch.replica_id for rep in exited})
         except Exception:  # psutil trouble must not leave the replicas unreported
             log.exception("sweeping the leftovers of %s failed", [r.launch.replica_id for r in exited])
             leftovers = []
@@ -794,7 +421,8 @@ class LocalServiceManager:
     def _on_exit(self, rep: _Replica, lingering: list[psutil.Process], now: float) -> None:
         proc = rep.proc
         assert proc is not None
-        how = self._ended(rep, proc)
+        how = self._procs.ended(proc)  # reaps the (swept) shim
+        rep.proc = None
         kind: ReplicaEventKind
         if rep.phase == Phase.STOPPING:
             detail = how
@@ -829,42 +457,6 @@ class LocalServiceManager:
         rep.detail = detail
         self._emit(rep, kind, now, detail)
 
-    def _ended(self, rep: _Replica, proc: _Proc) -> str:
-        """Reap the (swept) shim and say how it ended."""
-        returncode: int | None = None
-        if proc.popen is not None:
-            returncode = proc.popen.poll()
-            if returncode is None:
-                self._reap_later.append(proc.popen)  # wrote its status, exits in a moment
-        rep.proc = None
-        status = _read_status(proc.exit_file)
-        if status is not None:
-            how = _describe_exit(*status)
-        elif returncode is not None and returncode < 0:
-            how = _describe_exit(None, -returncode)
-        elif returncode is not None:
-            how = f"ended without an exit record (shim exit status {returncode})"
-        else:
-            how = "ended while nobody watched; exit status unknown"
-        return how
-
-    def _alive(self, proc: _Proc) -> bool:
-        if proc.popen is not None:
-            # WNOWAIT: look without reaping, so the pid (the group id) stays ours until swept.
-            try:
-                info = os.waitid(os.P_PID, proc.identity.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-            except ChildProcessError:
-                proc.popen = None  # reaped behind our back: fall back to pid + start time
-            else:
-                return info is None
-        found = _same_process(proc.identity)
-        if found is None:
-            return False
-        if _is_zombie(found):
-            _reap_if_child(found)
-            return False
-        return True
-
     # -- park and kill ----------------------------------------------------------------------------
 
     def _begin_stop(self, rep: _Replica, now: float, note: str = "") -> None:
@@ -879,99 +471,13 @@ class LocalServiceManager:
         rep.reason = reason
         self._signal_group(rep, signal.SIGKILL)
 
-    def _group_is_ours(self, proc: _Proc) -> bool:
-        """True while the group's leader, our shim, is still there (running or an unreaped zombie)
-        with the recorded start time, so the group id cannot name anybody else's group."""
-        if proc.popen is not None and proc.popen.returncode is None:
-            return True  # an unreaped child's pid cannot be reused
-        return _same_process(proc.identity) is not None
-
     def _signal_group(self, rep: _Replica, sig: signal.Signals) -> None:
-        proc = rep.proc
-        if proc is None or not self._group_is_ours(proc):
-            return  # its leader is gone; leftovers are found by tag
+        if rep.proc is None:
+            return
         try:
-            os.killpg(proc.identity.pid, sig)
-        except ProcessLookupError:
-            pass  # already gone; the next poll sees it
+            rep.proc.signal_group(sig)  # not when its leader is gone: leftovers are found by tag
         except PermissionError as exc:
             log.warning("replica %s: cannot signal its group: %s", rep.launch.replica_id, exc)
-
-    def _kill_tagged(
-        self, replica_ids: AbstractSet[str] | None, *, spare: AbstractSet[str] = frozenset()
-    ) -> list[tuple[psutil.Process, str]]:
-        """SIGKILL processes carrying this instance's tag for `replica_ids` (None: any id not in
-        `spare`). Returns the processes signalled, with their replica id."""
-        hit: list[tuple[psutil.Process, str]] = []
-        me = os.getpid()
-        for proc in psutil.process_iter():
-            if proc.pid == me:
-                continue
-            tag = _process_tag(proc)
-            if tag is None or tag[0] != self.instance_id:
-                continue
-            if (tag[1] not in replica_ids) if replica_ids is not None else (tag[1] in spare):
-                continue
-            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-                if proc.status() == psutil.STATUS_ZOMBIE:
-                    continue
-                proc.kill()  # psutil refuses if the pid was reused since it was listed
-                log.info("killed pid %s left by replica %s", proc.pid, tag[1])
-                hit.append((proc, tag[1]))
-        return hit
-
-    # -- adoption ---------------------------------------------------------------------------------
-
-    def _iter_shims(self) -> Iterator[tuple[psutil.Process, int]]:
-        """Live shims of this installation's replicas: (process, number)."""
-        for proc in psutil.process_iter():
-            try:
-                if proc.status() == psutil.STATUS_ZOMBIE:
-                    continue
-                parsed = _shim_args(proc.cmdline())
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                continue
-            if parsed is not None and parsed[0] == self._shim_instance:
-                yield proc, parsed[1]
-
-    def _is_live_shim(self, identity: ProcessIdentity, replica_id: str) -> bool:
-        proc = _same_process(identity)
-        if proc is None:
-            return False
-        try:
-            if _is_zombie(proc):
-                _reap_if_child(proc)
-                return False
-            parsed = _shim_args(proc.cmdline())
-        except psutil.Error:
-            return False
-        return parsed == (self._shim_instance, _shim_number(replica_id))
-
-    def _find_shim(self, replica_id: str, hint: ProcessIdentity | None) -> ProcessIdentity | None:
-        if hint is not None and self._is_live_shim(hint, replica_id):
-            return hint
-        # No (valid) shim file: the earlier control plane may have died before writing it.
-        number = _shim_number(replica_id)
-        for proc, found in self._iter_shims():
-            if found == number and _process_tag(proc) == (self.instance_id, replica_id):
-                try:
-                    return ProcessIdentity(pid=proc.pid, started_at=proc.create_time())
-                except psutil.Error:
-                    continue
-        return None
-
-    def _read_shim_file(self, work_dir: Path, replica_id: str) -> ProcessIdentity | None:
-        path = work_dir / SHIM_FILE
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            if data.get("instance") != self.instance_id or data.get("replica_id") != replica_id:
-                return None
-            return ProcessIdentity(pid=int(data["pid"]), started_at=float(data["started_at"]))
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            log.warning("unreadable %s: %s", path, exc)
-            return None
 
     # -- bookkeeping ------------------------------------------------------------------------------
 

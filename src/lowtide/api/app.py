@@ -19,6 +19,7 @@ from fastapi import Path as PathParam
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from lowtide import __version__
+from lowtide.api import reports as reports_api
 from lowtide.api import schemas
 from lowtide.api import services as services_api
 from lowtide.api.auth import Principal, authenticate, require_admin, require_owner_or_admin, require_people
@@ -36,6 +37,7 @@ from lowtide.domain.spec_issues import SpecInvalid
 from lowtide.domain.spec_parse import TemplateLookup, build_job_spec, require_images
 from lowtide.domain.spec_render import parse_param_assignment, render_step
 from lowtide.domain.states import AttemptState, JobState
+from lowtide.policy.accounting import AccountingPolicy, GroupBy
 from lowtide.store.repo import Store
 
 _T = TypeVar("_T")
@@ -78,6 +80,8 @@ class ApiContext:
     loop_status: Callable[[], LoopStatus | None] = lambda: None
     inference: InferenceController | None = None
     log_poll_s: float = 0.25
+    #: Price per GPU-hour, currency and time zone of usage reports (config `accounting:`).
+    accounting: AccountingPolicy = field(default_factory=AccountingPolicy)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -413,6 +417,40 @@ def create_app(ctx: ApiContext) -> FastAPI:
         body = services_api.service_out(inf, name, ctx.store.replicas(name))
         events = [services_api.event_out(e) for e in ctx.store.service_events(name, limit=200)]
         return services_api.ServiceDetailOut(**body, events=events)
+
+    @v1.get(
+        "/reclaims",
+        response_model=list[services_api.ReclaimOut],
+        summary="GPUs taken back from research, phase by phase (newest last)",
+    )
+    def list_reclaims(
+        who: Who,
+        state: Annotated[str | None, Query(pattern="^(OPEN|DONE|ABANDONED)$")] = None,
+        limit: Annotated[int, Query(ge=1, le=10000)] = 200,
+    ) -> list[services_api.ReclaimOut]:
+        require_people(who)
+        return [services_api.reclaim_out(r) for r in ctx.store.reclaims(state=state, limit=limit)]
+
+    # -- reports (accounting; api/reports.py) ---------------------------------------------------
+
+    @v1.get(
+        "/reports/usage",
+        response_model=reports_api.UsageReportOut,
+        summary="GPU-hours per holder, job, team or day; work lost to preemption; savings",
+    )
+    def usage_report(
+        who: Who,
+        start: Annotated[str | None, Query(max_length=64, description=reports_api.TIME_HELP)] = None,
+        end: Annotated[str | None, Query(max_length=64, description=reports_api.TIME_HELP)] = None,
+        group_by: Annotated[GroupBy, Query()] = "job",
+        tz: Annotated[str | None, Query(max_length=64, description="IANA time zone of days")] = None,
+    ) -> reports_api.UsageReportOut:
+        require_people(who)
+        return reports_api.usage_report(
+            ctx.store, ctx.accounting, now=ctx.clock.now(), start=start, end=end, group_by=group_by, tz=tz
+        )
+
+    # -- end of reports ------------------------------------------------------------------------
 
     # -- pool, tokens, identity ----------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from lowtide.control.records import (
     TokenRecord,
 )
 from lowtide.domain.gpus import Node
+from lowtide.policy.accounting import is_preemption
 
 
 class ErrorItem(BaseModel):
@@ -86,6 +87,10 @@ class AttemptOut(BaseModel):
     killed_at_deadline: bool
     message: str
     record: dict[str, Any]
+    lost_gpu_seconds: float | None = Field(
+        default=None, description="GPU-seconds of work lost since the last checkpoint; null while running"
+    )
+    preempted: bool = Field(default=False, description="ended by preemption (not cancellation or failure)")
 
 
 class CheckpointOut(BaseModel):
@@ -243,6 +248,8 @@ def attempt_out(a: AttemptRecord) -> AttemptOut:
         killed_at_deadline=a.killed_at_deadline,
         message=a.message,
         record=dict(a.record),
+        lost_gpu_seconds=a.lost_gpu_seconds,
+        preempted=is_preemption(a.state, a.message),
     )
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from lowtide.control.inference import InferenceController, ServiceStatus
-from lowtide.control.records import ReplicaRecord, ServiceEventRecord
+from lowtide.control.records import ReclaimRecord, ReplicaRecord, ServiceEventRecord
 from lowtide.domain.metrics import ReplicaSignals
 from lowtide.policy.lending import Envelope
 
@@ -169,3 +169,37 @@ def lending_out(mode: str, env: Envelope | None) -> LendingOut | None:
 
 def event_out(e: ServiceEventRecord) -> ServiceEventOut:
     return ServiceEventOut(at=e.at, replica_id=e.replica_id, kind=e.kind, message=e.message)
+
+
+class ReclaimOut(BaseModel):
+    id: int
+    service: str | None
+    replica_id: str | None
+    reason: str
+    gpus: int
+    victims: list[int] = Field(description="attempt ids of the preempted steps")
+    state: str = Field(description="OPEN | DONE | ABANDONED")
+    detected_at: float = Field(description="when the service first lacked GPUs (surge detected)")
+    decided_at: float = Field(description="when the victims were chosen")
+    notice_at: float | None = Field(description="when the last victim got notice")
+    freed_at: float | None = Field(description="when the last victim's GPUs were free")
+    healthy_at: float | None = Field(description="when the replica served")
+    total_s: float | None = Field(description="healthy_at − detected_at")
+
+
+def reclaim_out(r: ReclaimRecord) -> ReclaimOut:
+    return ReclaimOut(
+        id=r.id,
+        service=r.service,
+        replica_id=r.replica_id,
+        reason=r.reason,
+        gpus=r.gpus,
+        victims=list(r.victims),
+        state=r.state,
+        detected_at=r.detected_at,
+        decided_at=r.decided_at,
+        notice_at=r.notice_at,
+        freed_at=r.freed_at,
+        healthy_at=r.healthy_at,
+        total_s=None if r.healthy_at is None else r.healthy_at - r.detected_at,
+    )

@@ -25,6 +25,7 @@ from lowtide.cli.emulate_cmd import emulate_app
 from lowtide.cli.loadgen_cmd import loadgen_app
 from lowtide.cli.metrics_cmd import metrics_app
 from lowtide.cli.output import console
+from lowtide.cli.report_cmd import gpu_time, lost_work_line, report_command
 from lowtide.config import ConfigError, Settings, load_settings
 
 app = typer.Typer(
@@ -104,6 +105,9 @@ def _client() -> Client:
             except OSError:
                 token = None
     return Client(url, token)
+
+
+app.command("report")(report_command(_client))
 
 
 def _call(fn: Any, *args: Any, where: str = "", **kwargs: Any) -> Any:
@@ -381,7 +385,9 @@ def show(job: Annotated[str, typer.Argument(help="Job id.")], as_json: JsonOpt =
         )
     out.print(steps)
     if d["attempts"]:
-        att = Table("STEP", "#", "STATE", "WHERE", "STARTED", "RAN", "EXIT", "MESSAGE", title="attempts")
+        att = Table(
+            "STEP", "#", "STATE", "WHERE", "STARTED", "RAN", "EXIT", "WORK LOST", "MESSAGE", title="attempts"
+        )
         for a in d["attempts"]:
             where = f"{a['node']}:{','.join(map(str, a['gpus']))}" if a["gpus"] else a["node"]
             ran = _dur((a["ended_at"] or time.time()) - a["started_at"])
@@ -398,9 +404,11 @@ def show(job: Annotated[str, typer.Argument(help="Job id.")], as_json: JsonOpt =
                 _when(a["started_at"]),
                 ran,
                 code,
+                gpu_time(a.get("lost_gpu_seconds")),
                 a["message"],
             )
         out.print(att)
+        out.print(lost_work_line(d["steps"], d["attempts"]))
     if d["checkpoints"]:
         number = {a["id"]: a["number"] for a in d["attempts"]}
         ck = Table("STEP", "ATTEMPT", "CHECKPOINT", "PROGRESS", "SOURCE", "AT", title="checkpoints")
@@ -551,6 +559,55 @@ def services(
             out.print(f"  {reason}")
         if lending["fail_safe"]:
             out.print(f"  [red]fail safe:[/red] {lending['fail_safe']}")
+
+
+@app.command()
+def reclaims(
+    state_: Annotated[str | None, typer.Option("--state", help="OPEN, DONE or ABANDONED.")] = None,
+    limit: Annotated[int, typer.Option(help="At most this many (newest).")] = 50,
+    as_json: JsonOpt = False,
+) -> None:
+    """GPUs taken back from research: surge → decision → notice → GPUs free → replica healthy."""
+    params: dict[str, Any] = {"limit": limit}
+    if state_:
+        params["state"] = state_.upper()
+    data = _call(_client().json, "GET", "/v1/reclaims", params=params)
+    if as_json:
+        _print_json(data)
+        return
+    table = Table(
+        "ID",
+        "SERVICE",
+        "STATE",
+        "GPUS",
+        "VICTIMS",
+        "DETECTED",
+        "DECIDE",
+        "NOTICE",
+        "FREED",
+        "HEALTHY",
+        "REASON",
+    )
+
+    def after(t: float | None, t0: float) -> str:
+        return "-" if t is None else f"+{t - t0:.1f}s"
+
+    for r in data:
+        t0 = r["detected_at"]
+        table.add_row(
+            str(r["id"]),
+            r["service"] or "(lending)",
+            _state_style(r["state"]),
+            str(r["gpus"]),
+            ",".join(map(str, r["victims"])),
+            _when(t0),
+            after(r["decided_at"], t0),
+            after(r["notice_at"], t0),
+            after(r["freed_at"], t0),
+            after(r["healthy_at"], t0),
+            r["reason"],
+        )
+    out.print(table)
 
 
 def _print_service(svc: dict[str, Any]) -> None:

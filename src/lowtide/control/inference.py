@@ -6,9 +6,10 @@ asleep/stopped → PARKED, GPUs back to the pool; failed → FAILED with a retry
 service's metrics source gives `ServiceSignals`; (3) `policy.autoscale` gives desired replicas;
 (4) `policy.lending` gives the envelope (how many GPUs may be lent, and what each service must
 keep); (5) `policy.replicas` plans starts, wakes, drains and parks, which are booked in the store
-first (GPUs in the ledger) and then carried out; (6) `policy.replicas.research_gpus` picks the free
-GPUs research may take, and the step scheduler sees every other GPU as unavailable.
-Taking GPUs back from running research steps (preemption) is not done here.
+first (GPUs in the ledger) and then carried out; (6) `control.reclaimer` preempts research steps
+that hold GPUs inference is missing or that lending no longer allows; (7)
+`policy.replicas.research_gpus` picks the free GPUs research may take, and the step scheduler sees
+every other GPU as unavailable.
 Must not: read the wall clock (`now` comes in), sleep, or do I/O except through its ports.
 """
 
@@ -28,6 +29,7 @@ from lowtide.control.inference_ports import (
     ReplicaLaunch,
     ServiceManager,
 )
+from lowtide.control.reclaimer import Reclaimer, ReclaimStore
 from lowtide.control.records import GpuBusy, ReplicaRecord, StaleState
 from lowtide.domain.gpus import GpuRef, Node, cuda_visible_devices
 from lowtide.domain.metrics import ServiceSignals
@@ -36,6 +38,7 @@ from lowtide.domain.states import GPU_HOLDING_REPLICA_STATES, ReplicaState
 from lowtide.policy.autoscale import ReplicaSupply, ScaleDecision, ScaleState, decide_scale, initial_state
 from lowtide.policy.forecast import WeeklyProfile
 from lowtide.policy.lending import Envelope, ServiceLendingInput, envelope
+from lowtide.policy.reclaim import ReclaimPlan
 from lowtide.policy.replicas import (
     ReplicaAction,
     ReplicaPlan,
@@ -44,6 +47,7 @@ from lowtide.policy.replicas import (
     plan_replicas,
     research_gpus,
 )
+from lowtide.policy.snapshot import RunningStep
 
 log = logging.getLogger("lowtide.inference")
 R = ReplicaState
@@ -55,7 +59,7 @@ RESTART_BACKOFF_MAX_S = 600.0
 FORECAST_SAVE_EVERY_S = 600.0
 
 
-class InferenceStore(Protocol):
+class InferenceStore(ReclaimStore, Protocol):
     def replicas(self, service: str | None = None) -> list[ReplicaRecord]: ...
 
     def begin_replica(
@@ -103,6 +107,7 @@ class ServiceSetup:
     python: str = "python"
     health_timeout_s: float = 600.0
     drain_timeout_s: float = 30.0
+    reclaim_grace_s: float = 60.0  # the longest notice a research step gets when this service reclaims
     work_root: str = ".lowtide/services"
 
     def port(self, slot: int) -> int:
@@ -134,6 +139,7 @@ class InferenceTick:
     unavailable: frozenset[GpuRef]  # GPUs the step scheduler must not use this tick
     envelope: Envelope
     plan: ReplicaPlan
+    reclaim: ReclaimPlan | None = None
 
 
 class InferenceController:
@@ -161,6 +167,12 @@ class InferenceController:
         self._saved_profiles_at = -math.inf
         self._needed_history: dict[str, list[tuple[float, int]]] = {s.spec.name: [] for s in services}
         self.last: InferenceTick | None = None
+        self.reclaimer = Reclaimer(
+            store=store,
+            nodes=nodes,
+            specs={s.spec.name: s.spec for s in services},
+            reclaim_grace={s.spec.name: s.reclaim_grace_s for s in services},
+        )
 
     # -- start-up ------------------------------------------------------------------------------
 
@@ -186,7 +198,8 @@ class InferenceController:
 
     # -- the tick ------------------------------------------------------------------------------
 
-    def tick(self, now: float, *, step_gpus: frozenset[GpuRef]) -> InferenceTick:
+    def tick(self, now: float, *, running: tuple[RunningStep, ...]) -> InferenceTick:
+        step_gpus = frozenset(GpuRef(r.node, g) for r in running for g in r.gpus)
         self._apply_events(self.manager.poll(now), now)
         records = {r.id: r for r in self.store.replicas()}
         decisions: dict[str, ScaleDecision] = {}
@@ -248,6 +261,8 @@ class InferenceController:
                 log.exception("%s of %s failed", action.kind, action.replica_id)
         records = {r.id: r for r in self.store.replicas()}
         self._sync_gateway(records)
+        # GPUs research holds that inference needs (or that lending no longer allows) come back.
+        reclaim = self.reclaimer.tick(now, running=running, replicas=records, replica_plan=plan, envelope=env)
         busy = step_gpus | self._replica_gpus(records.values())
         affinity = frozenset(
             g for r in records.values() if r.state == R.PARKED and r.parked_as == "sleep" for g in _refs(r)
@@ -260,7 +275,9 @@ class InferenceController:
             new_lendable=env.lendable_gpus - len(step_gpus),
         )
         everything = frozenset(g for n in self.nodes for g in n.refs())
-        result = InferenceTick(unavailable=everything - offered - step_gpus, envelope=env, plan=plan)
+        result = InferenceTick(
+            unavailable=everything - offered - step_gpus, envelope=env, plan=plan, reclaim=reclaim
+        )
         self.last = result
         self._save_profiles(now)
         return result

@@ -37,7 +37,7 @@ from lowtide.control.executor_port import (
 from lowtide.control.inference import InferenceController
 from lowtide.control.ports import ArtifactPort, StorePort
 from lowtide.control.records import AttemptLaunch, ExitContext, GpuBusy, NoticeDue, StaleState
-from lowtide.domain.gpus import GpuRef, Node
+from lowtide.domain.gpus import Node
 from lowtide.domain.layout import ArtifactLayout, is_remote, join_uri
 from lowtide.domain.states import AttemptState, StepState
 from lowtide.policy.dag import advance
@@ -183,15 +183,6 @@ class ControlLoop:
                 report.errors += 1
                 log.exception("handling the exit of attempt %s failed", ex.attempt_id)
 
-        dues: list[NoticeDue] = self._guard(report, "notices", self.store.notices_due, [])
-        for due in dues:
-            try:
-                self._give_notice(due.attempt_id, due.grace_seconds, due.step_state, now)
-                report.notices += 1
-            except Exception:
-                report.errors += 1
-                log.exception("giving notice to attempt %s failed", due.attempt_id)
-
         self._guard(report, "checkpoint poll", lambda: self._poll_checkpoints(now), None)
         self._guard(report, "DAG advance", lambda: self._advance_dirty(now), None)
 
@@ -199,11 +190,11 @@ class ControlLoop:
             now=now, nodes=self.settings.nodes, half_life_s=self.settings.scheduler.fair_share.half_life_s
         )
         if self.inference is not None:
-            step_gpus = frozenset(GpuRef(r.node, g) for r in snapshot.running for g in r.gpus)
+            running = snapshot.running
             inference = self._guard(
                 report,
                 "inference",
-                lambda: self.inference.tick(now, step_gpus=step_gpus) if self.inference else None,
+                lambda: self.inference.tick(now, running=running) if self.inference else None,
                 None,
             )
             # Without a fresh inference answer, lend nothing new this tick (fail safe).
@@ -213,6 +204,17 @@ class ControlLoop:
                 else frozenset(g for n in self.settings.nodes for g in n.refs())
             )
             snapshot = replace(snapshot, unavailable=unavailable)
+
+        # Notice to steps being cancelled or preempted (the inference side may just have asked).
+        dues: list[NoticeDue] = self._guard(report, "notices", self.store.notices_due, [])
+        for due in dues:
+            try:
+                self._give_notice(due.attempt_id, due.grace_seconds, due.step_state, now)
+                report.notices += 1
+            except Exception:
+                report.errors += 1
+                log.exception("giving notice to attempt %s failed", due.attempt_id)
+
         plan = decide(snapshot, self.settings.scheduler)
         self.last_plan = plan
         for start in plan.starts:

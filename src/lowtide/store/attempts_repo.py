@@ -390,6 +390,19 @@ class AttemptsRepo(StoreBase):
             )
             insert_event(conn, row.job_id, row.step_name, attempt_id, now, "preempting", reason)
 
+    def attempt_times(self, attempt_ids: Iterable[int]) -> dict[int, tuple[float | None, float | None]]:
+        """`attempt id -> (notice_at, ended_at)` for the given attempts."""
+        ids = list(attempt_ids)
+        if not ids:
+            return {}
+        with self._read() as conn:
+            rows = conn.execute(
+                sa.select(attempts.c.id, attempts.c.notice_at, attempts.c.ended_at).where(
+                    attempts.c.id.in_(ids)
+                )
+            ).all()
+        return {r.id: (r.notice_at, r.ended_at) for r in rows}
+
     def notices_due(self) -> list[NoticeDue]:
         with self._read() as conn:
             rows = conn.execute(

@@ -5,8 +5,8 @@ engine, `open`/`close`, the `_read()`/`_write()` transaction helpers, `instance_
 `jobs_repo.JobsRepo` (the API side: submit, list, read, cancel), `pool_repo.PoolRepo` (the GPU pool
 and accounting), `attempts_repo.AttemptsRepo` (the control loop's side; `control.loop` uses it
 through `control.ports.StorePort`), `replicas_repo.ReplicasRepo` (inference replicas, service
-events) and `tokens_repo.TokensRepo` (API tokens). Callers import
-`Store` (and `hash_token`) from here and never from the parts.
+events), `reports_repo.ReportsRepo` (usage reports) and `tokens_repo.TokensRepo` (API tokens).
+Callers import `Store` (and `hash_token`) from here and never from the parts.
 Methods return records (`control.records`), never live rows.
 Must not: hold queries (they live in the parts), decide anything (retries, DAG progress and
 placement are policy) or read the clock (every time is passed in).
@@ -18,10 +18,11 @@ from lowtide.store.attempts_repo import AttemptsRepo
 from lowtide.store.jobs_repo import JobsRepo
 from lowtide.store.pool_repo import PoolRepo
 from lowtide.store.replicas_repo import ReplicasRepo
+from lowtide.store.reports_repo import ReportsRepo
 from lowtide.store.tokens_repo import ROLES, TokensRepo, hash_token
 
 __all__ = ["ROLES", "Store", "hash_token"]
 
 
-class Store(JobsRepo, PoolRepo, AttemptsRepo, ReplicasRepo, TokensRepo):
+class Store(JobsRepo, PoolRepo, AttemptsRepo, ReplicasRepo, ReportsRepo, TokensRepo):
     """The whole store: every part over one engine (see the module docstring)."""

@@ -1,0 +1,223 @@
+"""Usage reports over HTTP: `GET /v1/reports/usage` — the period, its reading and its JSON shape.
+
+`resolve_period` turns the query's `start`, `end` and `tz` into a period (epoch seconds, ISO-8601,
+or a duration before now such as ``24h``/``7d``; defaults: the last 24 hours; a time without an
+offset is local time in `tz`; an `end` after now is read as now: the ledger does not know the
+future), refusing bad values with located 422s; `usage_out` shapes a `UsageReport`. The route
+itself is in `app.create_app` (it needs the app's auth dependency), one call into here.
+Neighbours: `store.reports_repo` (the figures), `policy.accounting` (their definitions),
+`cli.report_cmd` (prints this). Must not: compute figures (policy does) or write anything.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from datetime import UTC, datetime
+from zoneinfo import ZoneInfo
+
+from pydantic import BaseModel, Field
+
+from lowtide.api.errors import ApiError
+from lowtide.policy.accounting import (
+    AccountingPolicy,
+    GroupBy,
+    UsageReport,
+    UsageRow,
+    time_zone,
+)
+from lowtide.store.repo import Store
+
+DEFAULT_PERIOD_S = 86400.0
+#: Longest period one report covers (a leap year); longer ones are refused (422).
+MAX_PERIOD_S = 366 * 86400.0
+#: Times must lie in 1970-01-01 .. 9999-12-31 (what dates can show).
+MAX_TIME = 253402300799.0
+_RELATIVE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
+_UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+TIME_HELP = "epoch seconds, ISO-8601 (no offset: local time in tz) or a duration before now (24h, 7d)"
+
+
+class UsageRowOut(BaseModel):
+    key: str = Field(
+        description="job id, team, local date (YYYY-MM-DD), or 'idle' / 'attempt:ID' / 'replica:ID'"
+    )
+    job_id: str | None
+    job_name: str | None
+    team: str | None
+    day: str | None
+    holder_kind: str | None
+    holder_id: str | None
+    period_seconds: float = Field(description="seconds of the period this row covers (a day row: its day)")
+    idle_gpu_seconds: float
+    research_gpu_seconds: float
+    inference_gpu_seconds: float
+    capacity_gpu_seconds: float
+    lost_gpu_seconds: float = Field(description="work lost to preemption (since the last checkpoint)")
+    preemptions: int
+    equivalent_gpus: float = Field(description="research GPU-seconds ÷ period_seconds")
+    savings: float = Field(description="research GPU-hours × price per GPU-hour")
+
+
+class UsageTotalsOut(BaseModel):
+    capacity_gpu_seconds: float = Field(description="every ledger GPU-second: idle + research + inference")
+    idle_gpu_seconds: float
+    research_gpu_seconds: float = Field(description="used: held by step attempts")
+    inference_gpu_seconds: float
+    lent_gpu_seconds: float = Field(description="capacity − inference: what inference did not hold")
+    lost_gpu_seconds: float
+    preemptions: int
+    capacity_gpus: float = Field(description="equivalent GPUs: GPU-seconds ÷ seconds in the period")
+    lent_gpus: float
+    research_gpus: float
+    inference_gpus: float
+    savings: float
+
+
+class UsageReportOut(BaseModel):
+    start: float
+    end: float
+    start_local: str = Field(description="start, ISO-8601 in `timezone`")
+    end_local: str
+    hours: float
+    timezone: str
+    group_by: str
+    price_per_gpu_hour: float
+    currency: str
+    totals: UsageTotalsOut
+    rows: list[UsageRowOut]
+
+
+def parse_time(text: str, *, now: float, zone: ZoneInfo) -> float:
+    """Epoch seconds from epoch seconds, ISO-8601 (naive: local in `zone`) or a duration before
+    `now` (``90m``, ``24h``, ``7d``, ``2w``). Raises ValueError with the reason."""
+    if m := _RELATIVE.match(text):
+        value = now - float(m.group(1)) * _UNIT_S[m.group(2)]
+    else:
+        try:
+            value = float(text)
+        except ValueError:
+            try:
+                when = datetime.fromisoformat(text.strip())
+            except ValueError:
+                raise ValueError(f"expected {TIME_HELP}; got {text!r}") from None
+            if when.tzinfo is None:
+                when = when.replace(tzinfo=zone)
+            value = when.timestamp()
+    if not (math.isfinite(value) and 0 <= value <= MAX_TIME):
+        raise ValueError("outside 1970-01-01 .. 9999-12-31")
+    return value
+
+
+def resolve_period(
+    start: str | None, end: str | None, tz: str | None, *, now: float, policy: AccountingPolicy
+) -> tuple[float, float, str]:
+    """(start, end, time zone) of a report request; ApiError 422 naming every bad field."""
+    issues: list[tuple[str, str]] = []
+    zone_name = policy.timezone if tz is None else tz
+    try:
+        zone = time_zone(zone_name)
+    except ValueError as exc:
+        issues.append(("query.tz", str(exc)))
+        zone = ZoneInfo("UTC")
+    t_end = now
+    if end is not None:
+        try:
+            t_end = min(parse_time(end, now=now, zone=zone), now)
+        except ValueError as exc:
+            issues.append(("query.end", str(exc)))
+    t_start = t_end - DEFAULT_PERIOD_S
+    if start is not None:
+        try:
+            t_start = parse_time(start, now=now, zone=zone)
+        except ValueError as exc:
+            issues.append(("query.start", str(exc)))
+    if not issues:
+        if start is not None and t_start >= now:
+            issues.append(("query.start", f"{start!r} is not in the past"))
+        elif t_end <= t_start:
+            issues.append(("query.end", f"{end!r} is not later than start {_iso(t_start, zone)}"))
+        elif t_end - t_start > MAX_PERIOD_S:
+            issues.append(("query.start", "the period is longer than 366 days"))
+    if issues:
+        raise ApiError(422, "invalid_request", "the report period is not valid", issues)
+    return t_start, t_end, zone_name
+
+
+def usage_report(
+    store: Store,
+    policy: AccountingPolicy,
+    *,
+    now: float,
+    start: str | None,
+    end: str | None,
+    group_by: GroupBy,
+    tz: str | None,
+) -> UsageReportOut:
+    """The body of `GET /v1/reports/usage`."""
+    t_start, t_end, zone_name = resolve_period(start, end, tz, now=now, policy=policy)
+    report = store.usage_report(
+        t_start,
+        t_end,
+        group_by=group_by,
+        tz=zone_name,
+        price_per_gpu_hour=policy.price_per_gpu_hour,
+        currency=policy.currency,
+    )
+    return usage_out(report)
+
+
+def usage_out(r: UsageReport) -> UsageReportOut:
+    zone = time_zone(r.timezone)
+    t = r.totals
+    return UsageReportOut(
+        start=r.start,
+        end=r.end,
+        start_local=_iso(r.start, zone),
+        end_local=_iso(r.end, zone),
+        hours=r.hours,
+        timezone=r.timezone,
+        group_by=r.group_by,
+        price_per_gpu_hour=r.price_per_gpu_hour,
+        currency=r.currency,
+        totals=UsageTotalsOut(
+            capacity_gpu_seconds=t.capacity_gpu_seconds,
+            idle_gpu_seconds=t.idle_gpu_seconds,
+            research_gpu_seconds=t.research_gpu_seconds,
+            inference_gpu_seconds=t.inference_gpu_seconds,
+            lent_gpu_seconds=t.lent_gpu_seconds,
+            lost_gpu_seconds=t.lost_gpu_seconds,
+            preemptions=t.preemptions,
+            capacity_gpus=t.capacity_gpus,
+            lent_gpus=t.lent_gpus,
+            research_gpus=t.research_gpus,
+            inference_gpus=t.inference_gpus,
+            savings=t.savings,
+        ),
+        rows=[_row_out(row) for row in r.rows],
+    )
+
+
+def _row_out(row: UsageRow) -> UsageRowOut:
+    return UsageRowOut(
+        key=row.key,
+        job_id=row.job_id,
+        job_name=row.job_name,
+        team=row.team,
+        day=row.day,
+        holder_kind=row.holder_kind,
+        holder_id=row.holder_id,
+        period_seconds=row.period_seconds,
+        idle_gpu_seconds=row.idle_gpu_seconds,
+        research_gpu_seconds=row.research_gpu_seconds,
+        inference_gpu_seconds=row.inference_gpu_seconds,
+        capacity_gpu_seconds=row.capacity_gpu_seconds,
+        lost_gpu_seconds=row.lost_gpu_seconds,
+        preemptions=row.preemptions,
+        equivalent_gpus=row.equivalent_gpus,
+        savings=row.savings,
+    )
+
+
+def _iso(ts: float, zone: ZoneInfo) -> str:
+    return datetime.fromtimestamp(ts, UTC).astimezone(zone).isoformat(timespec="seconds")

@@ -1,0 +1,188 @@
+"""Lend, reclaim, resume — the story driven by the real control loop with a fake clock and fake
+ports (executor, service manager, metrics) on a real SQLite store: a load surge takes GPUs back
+from the research step that loses the least work, the replica serves within the bound, and the
+step resumes from its checkpoint when the load is gone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fakes import FakeExecutor, FakeMetrics, FakeServiceManager, MemoryArtifacts
+from lowtide.control.clock import FakeClock
+from lowtide.control.inference import InferenceController, ServiceSetup
+from lowtide.control.loop import ControlLoop, LoopSettings
+from lowtide.control.records import NewJob
+from lowtide.domain.gpus import Node
+from lowtide.domain.layout import ArtifactLayout
+from lowtide.domain.services import AutoscaleTargets, LendingPolicy, ServiceSpec
+from lowtide.domain.spec_parse import build_job_spec
+from lowtide.domain.spec_render import render_step
+from lowtide.policy.scheduler import SchedulerPolicy
+from lowtide.store.repo import Store
+
+NODES = (Node("n1", (0, 1)), Node("n2", (0, 1)), Node("n3", (0, 1)))
+LAYOUT = ArtifactLayout("/art", "/work")
+T0 = 1_796_126_400.0
+TICK = 1.0
+GRACE = 30.0
+WAKE = 5.0
+SPEC = ServiceSpec(
+    name="chat",
+    model="m",
+    gpus_per_replica=2,
+    min_replicas=1,
+    max_replicas=2,
+    park="sleep",
+    startup_s=WAKE,
+    wake_s=WAKE,
+    autoscale=AutoscaleTargets(
+        concurrency_per_replica=4,
+        kv_usage=None,
+        scale_up_window_s=2,
+        scale_down_stabilization_s=20,
+        tolerance=0,
+    ),
+)
+
+
+class World:
+    def __init__(self, root: Path) -> None:
+        self.clock = FakeClock(T0)
+        self.store = Store.open(f"sqlite:///{root / 'db.sqlite'}")
+        self.executor = FakeExecutor()
+        self.manager = FakeServiceManager()
+        self.metrics = FakeMetrics()
+        self.artifacts = MemoryArtifacts()
+        self.inference = InferenceController(
+            store=self.store,
+            manager=self.manager,
+            sources={"chat": self.metrics},
+            gateway=None,
+            services=(ServiceSetup(spec=SPEC, command=("serve",), base_port=9000, reclaim_grace_s=GRACE),),
+            lending=LendingPolicy(
+                reclaim_lead_s=TICK + GRACE + WAKE, stale_after_s=30, stale_reclaim_after_s=120
+            ),
+            nodes=NODES,
+        )
+        self.loop = ControlLoop(
+            store=self.store,
+            executor=self.executor,
+            artifacts=self.artifacts,
+            clock=self.clock,
+            settings=LoopSettings(nodes=NODES, layout=LAYOUT, scheduler=SchedulerPolicy()),
+            inference=self.inference,
+        )
+        self.loop.recover()
+        self.jobs = 0
+
+    def tick(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.clock.advance(TICK)
+            assert self.loop.tick().errors == 0
+
+    def submit(self, name: str, gpus: int, grace: float = 120.0) -> str:
+        job_id = f"job-{self.jobs:012x}"
+        self.jobs += 1
+        spec = build_job_spec(
+            {
+                "name": name,
+                "grace_seconds": grace,
+                "steps": [{"name": "train", "command": ["train"], "gpus": gpus, "checkpoint": True}],
+            }
+        )
+        resolved = tuple(render_step(spec, s, job_id=job_id, layout=LAYOUT) for s in spec.steps)
+        self.store.create_job(NewJob(job_id, spec, resolved, "", "u", self.clock.now()))
+        return job_id
+
+    def attempt_of(self, job_id: str) -> Any:
+        return [a for a in self.store.job_detail(job_id).attempts][-1]
+
+
+def test_surge_preempts_the_cheapest_step_the_replica_serves_in_time_and_the_step_resumes(
+    tmp_path: Path,
+) -> None:
+    w = World(tmp_path)
+    w.tick(2)
+    assert [r.state.value for r in w.store.replicas("chat")] == ["SERVING"]
+    a = w.submit("often-checkpoints", gpus=2)
+    b = w.submit("never-checkpoints", gpus=2)
+    w.tick()
+    att_a, att_b = w.attempt_of(a), w.attempt_of(b)
+    assert {att_a.node, att_b.node} == {"n2", "n3"}
+    # A checkpointed recently; B never did.
+    w.tick(50)
+    w.store.record_checkpoint(att_a.id, label="step-50", progress=None, source="api", now=w.clock.now())
+    w.tick(40)
+
+    # The surge: 8 requests per replica → 2 replicas wanted, no free block of 2.
+    w.metrics.concurrency = 8.0
+    surge_at = w.clock.now()
+    w.tick(2)
+    a_step = w.store.job_detail(a).steps[0]
+    assert a_step.state.value == "PREEMPTING", a_step
+    assert w.store.job_detail(b).steps[0].state.value == "RUNNING"
+    assert [aid for aid, _ in w.executor.notices] == [att_a.id]
+    (reclaim,) = w.store.reclaims()
+    assert reclaim.victims == (att_a.id,) and reclaim.service == "chat" and reclaim.state == "OPEN"
+    att = w.store.attempt(att_a.id)
+    assert att.stop_deadline is not None and att.stop_deadline - att.notice_at == GRACE  # type: ignore[operator]
+
+    # A checkpoints and exits within its grace; the GPUs go to the replica, which serves.
+    w.clock.advance(3)
+    w.store.record_checkpoint(att_a.id, label="step-93", progress=None, source="file", now=w.clock.now())
+    w.executor.finish(att_a.id, 143)
+    w.tick(3)
+    states = {r.id: r.state.value for r in w.store.replicas("chat")}
+    assert states == {"chat/0": "SERVING", "chat/1": "SERVING"}
+    assert w.store.replica("chat/1").node == att_a.node
+    (reclaim,) = w.store.reclaims()
+    assert reclaim.state == "DONE"
+    assert (
+        reclaim.detected_at
+        <= reclaim.decided_at
+        <= reclaim.notice_at
+        <= reclaim.freed_at
+        <= reclaim.healthy_at
+    )  # type: ignore[operator]
+    assert reclaim.healthy_at - surge_at <= TICK + GRACE + WAKE + 1  # type: ignore[operator]
+    done = w.store.attempt(att_a.id)
+    assert done.state.value == "INTERRUPTED"
+    # It checkpointed just before exiting; the exit is seen at the next tick: 2 GPUs × 1 s lost.
+    assert done.lost_gpu_seconds == 2 * TICK
+    step = w.store.job_detail(a).steps[0]
+    assert (step.state.value, step.preemptions, step.retries_used) == ("PREEMPTED", 1, 0)
+
+    # The load goes; after the stabilisation window the replica sleeps and A resumes on its GPUs.
+    w.metrics.concurrency = 0.0
+    for _ in range(60):
+        w.tick()
+        if w.store.job_detail(a).steps[0].state.value == "RUNNING":
+            break
+    assert w.store.replica("chat/1").state.value == "PARKED"
+    resumed = w.attempt_of(a)
+    assert resumed.number == 2
+    launch = w.executor.launched[-1]
+    assert launch.env["LOWTIDE_ATTEMPT"] == "2"
+    assert launch.env["LOWTIDE_RESUME_FROM"] == "/art/jobs/job-000000000000/train/checkpoints/step-93"
+    w.executor.finish(resumed.id, 0)
+    w.tick(2)
+    assert w.store.job(a).state.value == "SUCCEEDED"
+    assert w.store.job_detail(b).steps[0].state.value == "RUNNING"  # never touched
+
+
+def test_a_step_that_ignores_notice_is_killed_at_its_deadline_and_still_requeued(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    w.tick(2)
+    a = w.submit("stubborn", gpus=2)
+    b = w.submit("other", gpus=2)
+    w.tick(10)
+    w.metrics.concurrency = 8.0
+    w.tick(2)
+    victim = next(att for j in (a, b) for att in [w.attempt_of(j)] if att.state.value == "STOPPING")
+    w.tick(int(GRACE) + 2)  # the fake executor kills at the deadline
+    killed = w.store.attempt(victim.id)
+    assert killed.killed_at_deadline and killed.state.value == "INTERRUPTED"
+    assert killed.lost_gpu_seconds and killed.lost_gpu_seconds > 0
+    job = a if victim.job_id == a else b
+    assert w.store.job_detail(job).steps[0].state.value == "PREEMPTED"
