@@ -166,3 +166,28 @@ def test_a_replica_that_never_becomes_healthy_is_retried_with_backoff(tmp_path: 
     assert states["chat/1"] == "SERVING"
     events = [e.kind for e in w.store.service_events("chat")]
     assert events[:2] == ["starting", "failed"]
+
+
+def test_replicas_that_keep_failing_raise_an_alert_and_stop_new_lending(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    w.manager.broken.update({"chat/0", "chat/1", "chat/2"})
+    for _ in range(120):
+        w.tick(seconds=1.0)
+        if w.inference.status["chat"].alert:
+            break
+    status = w.inference.status["chat"]
+    assert "replica start failures in a row" in status.alert
+    env = w.inference.last.envelope  # type: ignore[union-attr]
+    assert env.fail_safe is not None and "no new lending" in env.fail_safe
+    job = w.submit(gpus=1)
+    w.tick()
+    assert w.step(job).state.value == "READY"
+    assert [e.kind for e in w.store.service_events("chat")].count("alert") == 1
+    w.manager.broken.clear()  # fixed: the next restart serves, the alert clears, lending resumes
+    for _ in range(120):
+        w.tick(seconds=1.0)
+        if w.step(job).state.value == "RUNNING":
+            break
+    assert w.step(job).state.value == "RUNNING"
+    assert w.inference.status["chat"].alert == ""
+    assert any(r.failures == 0 and r.state.value == "SERVING" for r in w.store.replicas("chat"))

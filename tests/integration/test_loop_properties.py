@@ -226,3 +226,135 @@ def test_backoff_is_respected_on_the_fake_clock(tmp_path: Path) -> None:
     assert len(world.executor.running) == 1
     assert world.clock.now() - failed_at >= 5.0
     world.store.close()
+
+
+# -- with the inference side: load changes, reclaims, restarts ------------------------------------
+
+from fakes import FakeMetrics, FakeServiceManager  # noqa: E402
+from lowtide.control.inference import InferenceController, ServiceSetup  # noqa: E402
+from lowtide.domain.services import AutoscaleTargets, LendingPolicy, ServiceSpec  # noqa: E402
+from lowtide.store.schema import replicas as replica_table  # noqa: E402
+
+INF_NODES = (Node("n1", (0, 1, 2, 3)), Node("n2", (0, 1, 2, 3)))
+GRACE = 20.0
+UNPARK = 5.0
+CHAT = ServiceSpec(
+    name="chat",
+    model="m",
+    gpus_per_replica=2,
+    min_replicas=1,
+    max_replicas=3,
+    park="sleep",
+    startup_s=UNPARK,
+    wake_s=UNPARK,
+    autoscale=AutoscaleTargets(
+        concurrency_per_replica=4,
+        kv_usage=None,
+        scale_up_window_s=2,
+        scale_down_stabilization_s=10,
+        tolerance=0,
+    ),
+)
+
+inf_op_st = st.one_of(
+    st.tuples(st.just("submit"), job_st),
+    st.tuples(st.just("exit"), st.integers(0, 50), st.sampled_from([0, 0, 1, 143])),
+    st.tuples(st.just("cancel"), st.integers(0, 50)),
+    st.tuples(st.just("wait"), st.sampled_from([1.0, 5.0, 30.0])),
+    st.tuples(st.just("load"), st.sampled_from([0.0, 2.0, 6.0, 12.0, 20.0])),
+    st.tuples(st.just("restart")),
+)
+
+
+class InferenceWorld(World):
+    def __init__(self, root: Path) -> None:
+        self.manager = FakeServiceManager()
+        self.metrics = FakeMetrics()
+        self.below_min_since: float | None = None
+        super().__init__(root)
+
+    def _new_loop(self) -> ControlLoop:
+        self.inference = InferenceController(
+            store=self.store,
+            manager=self.manager,
+            sources={"chat": self.metrics},
+            gateway=None,
+            services=(ServiceSetup(spec=CHAT, command=("serve",), base_port=9000, reclaim_grace_s=GRACE),),
+            lending=LendingPolicy(
+                reclaim_lead_s=1 + GRACE + UNPARK, stale_after_s=30, stale_reclaim_after_s=120
+            ),
+            nodes=INF_NODES,
+        )
+        return ControlLoop(
+            store=self.store,
+            executor=self.executor,
+            artifacts=self.artifacts,
+            clock=self.clock,
+            settings=LoopSettings(
+                nodes=INF_NODES,
+                layout=LAYOUT,
+                scheduler=SchedulerPolicy(FairSharePolicy(600)),
+                retry=RetryPolicy(5, 20),
+            ),
+            inference=self.inference,
+        )
+
+    def apply(self, op: tuple[Any, ...]) -> None:
+        if op[0] == "load":
+            self.metrics.concurrency = op[1]
+            op = ("wait", 0.0)
+        super().apply(op)
+
+    def check(self) -> None:
+        with self.store.engine.connect() as conn:
+            open_rows = conn.execute(sa.select(gpu_ledger).where(gpu_ledger.c.ended_at.is_(None))).all()
+            all_rows = conn.execute(sa.select(gpu_ledger)).all()
+            ended = conn.execute(sa.select(attempts).where(attempts.c.state.in_(["INTERRUPTED"]))).all()
+            killed = conn.execute(sa.select(attempts).where(attempts.c.killed_at_deadline.is_(True))).all()
+            reps = conn.execute(sa.select(replica_table)).all()
+        # A GPU never has two holders: one open ledger row per GPU, and nothing else.
+        keys = sorted((r.node, r.gpu_index) for r in open_rows)
+        assert keys == sorted((n.name, i) for n in INF_NODES for i in n.gpus)
+        # Replicas that hold GPUs hold exactly theirs in the ledger.
+        held = {(r.node, r.gpu_index): (r.holder_kind, r.holder_id) for r in open_rows}
+        for r in reps:
+            if r.state in ("STARTING", "SERVING", "DRAINING", "PARKING", "WAKING"):
+                for g in r.gpus:
+                    assert held[(r.node, g)] == ("replica", r.id), (r.id, r.state, held[(r.node, g)])
+        # No step is stopped without notice.
+        for a in ended:
+            assert a.notice_at is not None and a.notice_at <= a.ended_at, a.id
+        for a in killed:
+            assert a.notice_at is not None and a.stop_deadline is not None and a.ended_at >= a.stop_deadline
+        # The ledger adds up.
+        now = self.clock.now()
+        total = sum((r.ended_at if r.ended_at is not None else now) - r.started_at for r in all_rows)
+        assert abs(total - 8 * (now - T0)) < 1e-6 * max(1.0, total)
+        # The service is never below min_replicas for longer than a grace plus an unpark.
+        serving = sum(r.state == "SERVING" for r in reps)
+        if serving >= CHAT.min_replicas:
+            self.below_min_since = None
+        elif self.below_min_since is None:
+            self.below_min_since = now
+        else:
+            assert now - self.below_min_since <= GRACE + UNPARK + 2.0, (now - self.below_min_since, reps)
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(st.lists(inf_op_st, min_size=1, max_size=30))
+def test_invariants_hold_with_inference_load_and_reclaims(ops: list[tuple[Any, ...]]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        world = InferenceWorld(Path(tmp))
+        try:
+            for op in ops:
+                world.apply(op)
+                world.check()
+            world.metrics.concurrency = 0.0
+            world.drain()
+        finally:
+            world.store.close()

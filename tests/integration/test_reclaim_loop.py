@@ -15,7 +15,7 @@ from lowtide.control.loop import ControlLoop, LoopSettings
 from lowtide.control.records import NewJob
 from lowtide.domain.gpus import Node
 from lowtide.domain.layout import ArtifactLayout
-from lowtide.domain.services import AutoscaleTargets, LendingPolicy, ServiceSpec
+from lowtide.domain.services import AutoscaleTargets, LendingPolicy, ServiceSpec, TimeWindow
 from lowtide.domain.spec_parse import build_job_spec
 from lowtide.domain.spec_render import render_step
 from lowtide.policy.scheduler import SchedulerPolicy
@@ -47,8 +47,8 @@ SPEC = ServiceSpec(
 
 
 class World:
-    def __init__(self, root: Path) -> None:
-        self.clock = FakeClock(T0)
+    def __init__(self, root: Path, lending: LendingPolicy | None = None, start: float = T0) -> None:
+        self.clock = FakeClock(start)
         self.store = Store.open(f"sqlite:///{root / 'db.sqlite'}")
         self.executor = FakeExecutor()
         self.manager = FakeServiceManager()
@@ -60,9 +60,8 @@ class World:
             sources={"chat": self.metrics},
             gateway=None,
             services=(ServiceSetup(spec=SPEC, command=("serve",), base_port=9000, reclaim_grace_s=GRACE),),
-            lending=LendingPolicy(
-                reclaim_lead_s=TICK + GRACE + WAKE, stale_after_s=30, stale_reclaim_after_s=120
-            ),
+            lending=lending
+            or LendingPolicy(reclaim_lead_s=TICK + GRACE + WAKE, stale_after_s=30, stale_reclaim_after_s=120),
             nodes=NODES,
         )
         self.loop = ControlLoop(
@@ -186,3 +185,41 @@ def test_a_step_that_ignores_notice_is_killed_at_its_deadline_and_still_requeued
     assert killed.lost_gpu_seconds and killed.lost_gpu_seconds > 0
     job = a if victim.job_id == a else b
     assert w.store.job_detail(job).steps[0].state.value == "PREEMPTED"
+
+
+def test_window_mode_gets_every_lent_gpu_back_before_the_window_closes(tmp_path: Path) -> None:
+    lead = TICK + GRACE + WAKE
+    close = T0 + 20 * 3600  # T0 is 12:00 UTC; the window is 20:00–08:00, so it closes at 08:00 next day
+    lending = LendingPolicy(
+        mode="window",
+        windows=(TimeWindow(20 * 60, 8 * 60),),
+        timezone="UTC",
+        reclaim_lead_s=lead,
+        stale_after_s=30,
+        stale_reclaim_after_s=120,
+    )
+    w = World(tmp_path, lending, start=close - 600)  # 07:50: lending is open
+    w.tick(2)
+    polite = w.submit("polite", gpus=2)
+    stubborn = w.submit("stubborn", gpus=2)
+    w.tick()
+    assert {w.attempt_of(j).state.value for j in (polite, stubborn)} == {"RUNNING"}
+    while w.clock.now() < close - lead - TICK:
+        w.tick()
+    assert not w.executor.notices  # nothing is reclaimed before close − lead
+    w.tick(2)
+    noticed = {aid for aid, _ in w.executor.notices}
+    assert noticed == {w.attempt_of(polite).id, w.attempt_of(stubborn).id}
+    assert all(at <= close - lead + TICK for _, at in w.executor.notices)
+    w.executor.finish(w.attempt_of(polite).id, 143)  # checkpoints and leaves; the other ignores notice
+    while w.clock.now() < close:
+        w.tick()
+    held = [h for h in w.store.holdings() if h.holder_kind == "attempt"]
+    assert held == []  # every lent GPU is back when the window closes
+    assert w.store.attempt(w.attempt_of(stubborn).id).killed_at_deadline
+    reclaims = w.store.reclaims()
+    assert reclaims and all(r.service is None and r.state == "DONE" for r in reclaims)
+    assert all(
+        j.steps[0].state.value == "PREEMPTED"
+        for j in (w.store.job_detail(polite), w.store.job_detail(stubborn))
+    )

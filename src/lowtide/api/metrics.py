@@ -73,8 +73,15 @@ def _inference_metrics(reg: CollectorRegistry, store: Store, inference: Inferenc
     )
     needed = Gauge("lowtide_service_needed_replicas", "Replicas the load needs", ["service"], registry=reg)
     replicas = Gauge("lowtide_service_replicas", "Replicas by state", ["service", "state"], registry=reg)
+    alerts = Gauge(
+        "lowtide_service_alert",
+        "1 while a service has an alert (see /v1/services)",
+        ["service"],
+        registry=reg,
+    )
     records = store.replicas()
     for name in inference.services:
+        alerts.labels(name).set(int(bool(inference.status[name].alert)))
         decision = inference.status[name].decision
         if decision is not None:
             desired.labels(name).set(decision.desired)

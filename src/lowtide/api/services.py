@@ -60,6 +60,7 @@ class ServiceOut(BaseModel):
     guard: str | None
     unknown: bool
     blocked: str = Field(description="why wanted replicas could not start this tick")
+    alert: str = Field(description="something an operator must look at; empty when all is well")
     fresh_at: float | None
     source_error: str | None
     signals: list[SignalsOut]
@@ -145,6 +146,7 @@ def service_out(inference: InferenceController, name: str, replicas: list[Replic
         "guard": d.guard if d else None,
         "unknown": d.unknown if d else True,
         "blocked": status.blocked,
+        "alert": status.alert,
         "fresh_at": status.fresh_at,
         "source_error": status.signals.source_error if status.signals else None,
         "signals": [signals_out(s) for s in status.signals.replicas] if status.signals else [],

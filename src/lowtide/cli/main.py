@@ -619,6 +619,8 @@ def _print_service(svc: dict[str, Any]) -> None:
     out.print(f"  {svc['reason']}")
     if svc["blocked"]:
         out.print(f"  [yellow]blocked:[/yellow] {svc['blocked']}")
+    if svc.get("alert"):
+        out.print(f"  [red]alert:[/red] {svc['alert']}")
     table = Table("REPLICA", "STATE", "WHERE", "PORT", "SINCE", "MESSAGE")
     for r in svc["replicas"]:
         where = f"{r['node']}:{','.join(map(str, r['gpus']))}" if r["node"] else "-"

@@ -55,6 +55,8 @@ R = ReplicaState
 #: Restart backoff of a failed replica: base × 2^(failures−1), capped.
 RESTART_BACKOFF_S = 10.0
 RESTART_BACKOFF_MAX_S = 600.0
+#: After this many failed starts in a row a service raises an alert and lends nothing new.
+FAILURES_BEFORE_ALERT = 3
 #: How often the learned weekly profile is saved (seconds).
 FORECAST_SAVE_EVERY_S = 600.0
 
@@ -132,6 +134,7 @@ class ServiceStatus:
     fresh_at: float | None = None  # when its data was last trustworthy
     blocked: str = ""
     target: int = 0
+    alert: str = ""  # something an operator must look at (e.g. replicas that never become healthy)
 
 
 @dataclass(frozen=True)
@@ -224,12 +227,26 @@ class InferenceController:
             status.decision = decision
             self._observe(name, decision, now)
             held = sum(len(r.gpus) for r in mine if r.state in GPU_HOLDING_REPLICA_STATES)
+            age = None if status.fresh_at is None else now - status.fresh_at
+            # Failures in a row: those since a replica of this service last became healthy.
+            healthy_since = max((r.since for r in mine if r.state == R.SERVING), default=-math.inf)
+            failing = max(
+                (r.failures for r in mine if r.state == R.FAILED and r.since > healthy_since), default=0
+            )
+            if failing >= FAILURES_BEFORE_ALERT:
+                # A service that cannot bring replicas up is not safe to lend from.
+                self._alert(
+                    name, f"{failing} replica start failures in a row: no new lending from {name}", now
+                )
+                age = max(age or 0.0, self.lending.stale_after_s + 1.0)
+            else:
+                status.alert = ""
             inputs.append(
                 ServiceLendingInput(
                     spec=setup.spec,
                     decision=decision,
                     held_gpus=held,
-                    signals_age_s=None if status.fresh_at is None else now - status.fresh_at,
+                    signals_age_s=age,
                     growth_per_s=self._growth(name, now),
                     forecast_needed=peak[0] if (peak := self._forecast(name, now)) else None,
                     forecast_at=peak[1] if peak else None,
@@ -292,7 +309,7 @@ class InferenceController:
                     continue
                 if ev.kind == "healthy" and rec.state in (R.STARTING, R.WAKING):
                     self.store.move_replica(
-                        rec.id, rec.state, R.SERVING, now=ev.at, message="healthy: serving"
+                        rec.id, rec.state, R.SERVING, now=ev.at, message="healthy: serving", failures=0
                     )
                 elif ev.kind == "asleep" and rec.state == R.PARKING:
                     self.store.move_replica(
@@ -306,6 +323,13 @@ class InferenceController:
                     self._fail(rec, ev.at, ev.detail or ev.kind)
             except StaleState as exc:
                 log.info("replica event %s for %s ignored: %s", ev.kind, ev.replica_id, exc)
+
+    def _alert(self, service: str, message: str, now: float) -> None:
+        status = self.status[service]
+        if status.alert != message:  # once per new situation, not every tick
+            status.alert = message
+            log.warning("service %s: %s", service, message)
+            self.store.add_service_event(service, None, at=now, kind="alert", message=message)
 
     def _fail(self, rec: ReplicaRecord, now: float, why: str) -> None:
         failures = rec.failures + 1
