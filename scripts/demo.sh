@@ -106,42 +106,50 @@ for _ in $(seq 1 150); do
 done
 lowtide services
 
-say "load through the gateway: lowtide loadgen --trace synthetic:constant,rate=12 (25 s)"
-lowtide loadgen --trace "synthetic:constant,rate=12" --target "http://127.0.0.1:$GW" --speedup 1 \
-  --duration 25 --emulator-hints >"$DEMO_DIR/loadgen.txt" 2>&1 &
-LOAD=$!
-sleep 15
-lowtide services
-
-say "a research job that needs 4 GPUs on one node: it waits until GPUs can be lent"
-cat >"$DEMO_DIR/big-train.yaml" <<'YAML'
-name: big-train
+say "research on the lent GPUs: two trainers of 2 GPUs (one checkpoints every 50 steps, one every 400)"
+lowtide submit examples/jobs/sft-dag.yaml -p steps=20 --wait >/dev/null   # prepares a data set quickly
+DATA=$(lowtide jobs --json | python -c 'import json,sys; print(json.load(sys.stdin)["jobs"][0]["id"])')
+DATA_DIR=$(lowtide show "$DATA" --json | python -c 'import json,sys; print([s for s in json.load(sys.stdin)["steps"] if s["name"]=="prep"][0]["outputs"])')
+for every in 50 400; do
+  cat >"$DEMO_DIR/train-$every.yaml" <<YAML
+name: train-every-$every
 team: research
+grace_seconds: 60
 steps:
-  - name: data
-    command: [python, -m, lowtide.examples.prep, --out, "{{outputs}}"]
   - name: train
-    depends: [data]
-    command: [python, -m, lowtide.examples.train, --data, "{{inputs.data}}", --out, "{{outputs}}", --steps, "150"]
-    gpus: 4
+    command: [python, -m, lowtide.examples.train, --data, "$DATA_DIR", --out, "{{outputs}}",
+              --steps, "1500", --step-seconds, "0.02", --checkpoint-every, "$every"]
+    gpus: 2
     checkpoint: true
 YAML
-BIG=$(lowtide submit "$DEMO_DIR/big-train.yaml" --json | python -c 'import json,sys; print(json.load(sys.stdin)["id"])')
-sleep 3
-lowtide show "$BIG" | sed -n '1,12p'
+done
+OFTEN=$(lowtide submit "$DEMO_DIR/train-50.yaml" --json | python -c 'import json,sys; print(json.load(sys.stdin)["id"])')
+RARELY=$(lowtide submit "$DEMO_DIR/train-400.yaml" --json | python -c 'import json,sys; print(json.load(sys.stdin)["id"])')
+sleep 5
+lowtide pool
+
+say "a load surge through the gateway: lowtide loadgen --trace synthetic:constant,rate=10 (20 s)"
+lowtide loadgen --trace "synthetic:constant,rate=10" --target "http://127.0.0.1:$GW" --speedup 1 \
+  --duration 20 --emulator-hints >"$DEMO_DIR/loadgen.txt" 2>&1 &
+LOAD=$!
+sleep 12
+say "inference takes GPUs back: the trainer that loses the least work since its checkpoint gets notice"
+lowtide reclaims
+lowtide services
+lowtide show "$OFTEN" | sed -n '1,14p'
 wait "$LOAD" || true
-say "the load replay's report"
+say "the load replay's report (no request failed while replicas came and went)"
 cat "$DEMO_DIR/loadgen.txt"
 
-say "load gone: after the stabilisation window the extra replicas drain and sleep; the job gets their GPUs"
-for _ in $(seq 1 240); do
-  state=$(lowtide show "$BIG" --json | python -c 'import json,sys; print(json.load(sys.stdin)["job"]["state"])')
-  [ "$state" = SUCCEEDED ] || [ "$state" = FAILED ] && break
+say "load gone: after the stabilisation window the extra replicas sleep and the trainer resumes from its checkpoint"
+for _ in $(seq 1 360); do
+  states=$(for j in "$OFTEN" "$RARELY"; do lowtide show "$j" --json | python -c 'import json,sys; print(json.load(sys.stdin)["job"]["state"])'; done | sort -u | tr '\n' ' ')
+  [ "$states" = "SUCCEEDED " ] && break
+  case "$states" in *FAILED*|*CANCELLED*) break ;; esac
   sleep 0.5
 done
-lowtide show "$BIG" | sed -n '1,12p'
+lowtide show "$OFTEN"
 lowtide services
-lowtide pool
-[ "$state" = SUCCEEDED ]
+[ "$states" = "SUCCEEDED " ]
 
 say "done. Both configurations are in examples/: lowtide.yaml and lowtide-inference.yaml"

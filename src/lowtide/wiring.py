@@ -43,6 +43,7 @@ from lowtide.control.loop import ControlLoop, LoopSettings
 from lowtide.domain.gpus import Node
 from lowtide.domain.layout import ArtifactLayout
 from lowtide.domain.services import AutoscaleTargets, LendingPolicy, ServiceSpec, TimeWindow
+from lowtide.policy.accounting import AccountingPolicy
 from lowtide.policy.fairshare import FairSharePolicy
 from lowtide.policy.outcomes import RetryPolicy
 from lowtide.policy.scheduler import SchedulerPolicy
@@ -154,6 +155,9 @@ def build(settings: Settings, *, clock: Clock | None = None) -> Embedded:
         container_runtime=runtime.engine if runtime else None,
         on_change=loop.wake,
         inference=inference,
+        accounting=AccountingPolicy(
+            settings.accounting.price_per_gpu_hour, settings.accounting.currency, settings.accounting_timezone
+        ),
     )
     app = create_app(ctx)
     embedded = Embedded(settings, nodes, store, executor, loop, app, clock, inference, router)

@@ -10,12 +10,16 @@ from __future__ import annotations
 import itertools
 import math
 from datetime import date, datetime
+from pathlib import Path
+from typing import Any
 from zoneinfo import ZoneInfo
 
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lowtide.config import ConfigError, Settings, load_settings
 from lowtide.domain.states import AttemptState, StepState
 from lowtide.policy.accounting import (
     AccountingPolicy,
@@ -368,3 +372,41 @@ def test_every_gpu_second_is_counted_once_whatever_the_grouping(
         assert sum(row.period_seconds for row in r.rows) == end - start
         assert all(row.period_seconds <= 25 * H for row in r.rows)
     assert math.isclose(t.research_gpus * (end - start), t.research_gpu_seconds)
+
+
+# -- configuration -------------------------------------------------------------------------------
+
+
+def test_accounting_config_defaults_to_free_usd_and_the_lending_time_zone(tmp_path: Path) -> None:
+    def load(doc: dict[str, Any]) -> Settings:
+        path = tmp_path / "lowtide.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        return load_settings(path)
+
+    plain = load({})
+    assert (plain.accounting.price_per_gpu_hour, plain.accounting.currency, plain.accounting_timezone) == (
+        0.0,
+        "USD",
+        "UTC",
+    )
+    assert load({"lending": {"timezone": "Europe/Berlin"}}).accounting_timezone == "Europe/Berlin"
+    own = load(
+        {
+            "lending": {"timezone": "Europe/Berlin"},
+            "accounting": {"price_per_gpu_hour": 2.5, "currency": "EUR", "timezone": "Asia/Tokyo"},
+        }
+    )
+    assert (own.accounting.price_per_gpu_hour, own.accounting.currency, own.accounting_timezone) == (
+        2.5,
+        "EUR",
+        "Asia/Tokyo",
+    )
+    for bad, words in (
+        ({"price_per_gpu_hour": -1}, "price_per_gpu_hour"),
+        ({"price_per_gpu_hour": ".inf"}, "price_per_gpu_hour"),
+        ({"currency": "euro"}, "currency"),
+        ({"timezone": "Mars/Olympus"}, "unknown time zone 'Mars/Olympus'"),
+        ({"price": 1}, "price"),
+    ):
+        with pytest.raises(ConfigError, match=words):
+            load({"accounting": bad})

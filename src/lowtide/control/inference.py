@@ -34,7 +34,7 @@ from lowtide.control.records import GpuBusy, ReplicaRecord, StaleState
 from lowtide.domain.gpus import GpuRef, Node, cuda_visible_devices
 from lowtide.domain.metrics import ServiceSignals
 from lowtide.domain.services import LendingPolicy, ServiceSpec
-from lowtide.domain.states import GPU_HOLDING_REPLICA_STATES, ReplicaState
+from lowtide.domain.states import GPU_HOLDING_REPLICA_STATES, SUPPLY_REPLICA_STATES, ReplicaState
 from lowtide.policy.autoscale import ReplicaSupply, ScaleDecision, ScaleState, decide_scale, initial_state
 from lowtide.policy.forecast import WeeklyProfile
 from lowtide.policy.lending import Envelope, ServiceLendingInput, envelope
@@ -279,7 +279,14 @@ class InferenceController:
         records = {r.id: r for r in self.store.replicas()}
         self._sync_gateway(records)
         # GPUs research holds that inference needs (or that lending no longer allows) come back.
-        reclaim = self.reclaimer.tick(now, running=running, replicas=records, replica_plan=plan, envelope=env)
+        deficits = {
+            v.spec.name: v.desired
+            - sum(records[r.id].state in SUPPLY_REPLICA_STATES for r in v.replicas if r.id in records)
+            for v in views
+        }
+        reclaim = self.reclaimer.tick(
+            now, running=running, replicas=records, replica_plan=plan, envelope=env, deficits=deficits
+        )
         busy = step_gpus | self._replica_gpus(records.values())
         affinity = frozenset(
             g for r in records.values() if r.state == R.PARKED and r.parked_as == "sleep" for g in _refs(r)

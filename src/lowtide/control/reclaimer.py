@@ -67,6 +67,7 @@ class Reclaimer:
     reclaim_grace: Mapping[str, float]
     surge_at: dict[str, float] = field(default_factory=dict)
     last_plan: ReclaimPlan | None = None
+    _growing: str | None = None
 
     def tick(
         self,
@@ -76,7 +77,20 @@ class Reclaimer:
         replicas: Mapping[str, ReplicaRecord],
         replica_plan: ReplicaPlan,
         envelope: Envelope,
+        deficits: Mapping[str, int] | None = None,
     ) -> ReclaimPlan:
+        """`deficits`: replicas each service wants beyond those serving, starting or waking (a
+        surge); reclaims for lending are attributed to the service with the largest one."""
+        deficits = deficits or {}
+        for service in list(self.surge_at):
+            if deficits.get(service, 0) <= 0:
+                del self.surge_at[service]  # satisfied (or no longer wanted)
+        for service, missing in deficits.items():
+            if missing > 0:
+                self.surge_at.setdefault(service, now)
+        self._growing = max(
+            (s for s, d in deficits.items() if d > 0), key=lambda s: (deficits[s], s), default=None
+        )
         self._track(now, replicas)
         needs = self._needs(now, replicas, replica_plan)
         held = frozenset(g for r in replicas.values() for g in _refs(r) if r.state in _HOLDING)
@@ -105,9 +119,6 @@ class Reclaimer:
         """What each blocked service is missing, in replica terms, with a description."""
         out: list[tuple[ReplicaNeed, str]] = []
         blocked = {b.service: b.missing for b in plan.blocked if b.missing > 0}
-        for service in list(self.surge_at):
-            if service not in blocked:
-                del self.surge_at[service]  # satisfied (or no longer wanted)
         # Services below min_replicas first: they may take steps inside their min_runtime.
         order = sorted(blocked, key=lambda s: (not self._below_min(s, replicas), s))
         for service in order:
@@ -154,10 +165,13 @@ class Reclaimer:
                 continue
             by_need.setdefault(victim.for_need, []).append(victim.attempt_id)
         for target, attempt_ids in by_need.items():
-            service = target if target in self.specs else None
+            # Lending shrank because a service is growing: the reclaim is for that service.
+            service = target if target in self.specs else self._growing
             replica = next((n.replica_id for n, _ in needs if n.service == service and n.replica_id), None)
             gpus = sum(len(v.gpus) for v in plan.victims if v.attempt_id in attempt_ids)
-            what = next((d for n, d in needs if n.service == service), "lending shrank")
+            what = next((d for n, d in needs if n.service == service), None) or (
+                f"lending shrank while {service} grows" if service else "lending shrank"
+            )
             self.store.open_reclaim(
                 service=service,
                 replica_id=replica,

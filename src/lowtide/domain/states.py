@@ -144,7 +144,7 @@ REPLICA_LIFECYCLE: Lifecycle[ReplicaState] = Lifecycle(
         R.SERVING: frozenset({R.DRAINING, R.FAILED}),
         R.DRAINING: frozenset({R.PARKING, R.SERVING, R.FAILED}),
         R.PARKING: frozenset({R.PARKED, R.FAILED}),
-        R.PARKED: frozenset({R.WAKING, R.FAILED}),
+        R.PARKED: frozenset({R.WAKING, R.STARTING, R.FAILED}),  # STARTING: a stopped one starts cold
         R.WAKING: frozenset({R.SERVING, R.FAILED, R.PARKING}),
         R.FAILED: frozenset({R.STARTING, R.PARKED}),
     },

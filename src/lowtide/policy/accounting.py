@@ -11,6 +11,7 @@ HTTP shape), `cli.report_cmd` (the table). Must not: read the clock, touch the s
 Definitions (all GPU quantities in GPU-seconds; the period is [start, end)):
 
 - An interval [s, e) (e = `end` while still open) counts for |[max(s, start), min(e, end))|.
+  Its holder kind is idle, attempt or replica (`store.ledger`); any other would count as idle.
 - capacity = idle + research + inference: every ledger GPU-second in the period. It equals
   GPUs × period length only where the ledger covers the whole period (GPUs managed throughout).
 - lent = capacity − inference (idle or research: what inference did not hold); used = research.
@@ -279,7 +280,7 @@ def usage_report(
         if seg is None:
             continue
         lo, hi = seg
-        kind = iv.holder_kind if iv.holder_kind in total.parts else IDLE  # no other kinds exist
+        kind = iv.holder_kind if iv.holder_kind in total.parts else IDLE
         total.parts[kind].append(hi - lo)
         if group_by == "day":
             for i in range(bisect.bisect_right(day_starts, lo) - 1, len(days)):
@@ -305,7 +306,7 @@ def usage_report(
             found = _group(
                 groups, group_by, ATTEMPT, str(att.attempt_id), att.job_id, att.job_name, att.team, period
             )
-            assert found is not None  # an attempt always has a job and a team
+            assert found is not None  # job, team and holder groups take every attempt
             acc = found
         acc.lost.append(att.lost_gpu_seconds)
         acc.preemptions += 1
