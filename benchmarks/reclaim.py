@@ -287,7 +287,9 @@ def start_server(workdir: Path, setup: Setup, park: str) -> Server:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    return Server(proc, workdir, f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{gw_port}", marker, log_path)
+    return Server(
+        proc, workdir, f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{gw_port}", marker, log_path
+    )
 
 
 def stop_server(server: Server) -> None:
@@ -551,7 +553,9 @@ def run_mode(park: str, setup: Setup, args: argparse.Namespace, data: Path) -> d
     return result
 
 
-def one_surge(server: Server, setup: Setup, job_ids: list[str], index: int, *, warmup: bool) -> dict[str, Any]:
+def one_surge(
+    server: Server, setup: Setup, job_ids: list[str], index: int, *, warmup: bool
+) -> dict[str, Any]:
     known = {r["id"] for r in server.reclaims()}
     t0 = time.time()
     surge = Surge(server.gateway, setup, seed=index)
@@ -581,6 +585,7 @@ def one_surge(server: Server, setup: Setup, job_ids: list[str], index: int, *, w
     new = [r for r in server.reclaims() if r["id"] not in known]  # final phases of every reclaim
     mine = [r for r in new if r["service"] == SERVICE]
     first = min(mine, key=lambda r: r["detected_at"])
+    unpark = unpark_split(server, first)
     return {
         "index": index,
         "warmup": warmup,
@@ -591,6 +596,7 @@ def one_surge(server: Server, setup: Setup, job_ids: list[str], index: int, *, w
         "settled_at": settled_at,
         "cycle_s": settled_at - t0,
         "total_s": round(first["total_s"], 3) if first["total_s"] is not None else None,
+        **unpark,
         "reclaims": new,
         "load": {
             "sent": report.sent,
@@ -601,6 +607,30 @@ def one_surge(server: Server, setup: Setup, job_ids: list[str], index: int, *, w
             "error_samples": report.error_samples,
             "ttft_p99_s": report.ttft_s.p99 if report.ttft_s else None,
         },
+    }
+
+
+def unpark_split(server: Server, reclaim: dict[str, Any]) -> dict[str, Any]:
+    """Split freed→healthy at the moment the loop started or woke the replica (its service event):
+    freed→unpark is seeing the exit and deciding; unpark→healthy is the start or wake itself."""
+    events = server.service()["events"]
+    freed, healthy = reclaim["freed_at"], reclaim["healthy_at"]
+    if freed is None or healthy is None:
+        return {}
+    began = [
+        e
+        for e in events
+        if e["kind"] in ("starting", "waking")
+        and reclaim["decided_at"] <= e["at"] <= healthy
+        and (reclaim["replica_id"] is None or e["replica_id"] == reclaim["replica_id"])
+    ]
+    if not began:
+        return {}
+    at = min(e["at"] for e in began)
+    return {
+        "unpark_kind": began[0]["kind"],
+        "freed_to_unpark_s": round(at - freed, 3),
+        "unpark_to_healthy_s": round(healthy - at, 3),
     }
 
 
@@ -648,6 +678,14 @@ def collect(
         "reclaims_all_surges": sum(len(s["reclaims"]) for s in surges),
         "unpark": unpark_kinds,
         "phases_s": phases,
+        "freed_to_healthy_split_s": {
+            "freed_to_unpark": summary(
+                [s["freed_to_unpark_s"] for s in measured if "freed_to_unpark_s" in s]
+            ),
+            "unpark_to_healthy": summary(
+                [s["unpark_to_healthy_s"] for s in measured if "unpark_to_healthy_s" in s]
+            ),
+        },
         "load_start_to_detected_s": summary([s["load_start_to_detected_s"] for s in measured]),
         "cycle_s": summary([s["cycle_s"] for s in measured]),
         "meets_total_target": bool(total.get("n")) and total["p99"] <= target,
@@ -687,6 +725,9 @@ def print_mode(r: dict[str, Any], setup: Setup) -> None:
             print(f"  {name:<18} {0:>4}")
             continue
         print(f"  {name:<18} {p['n']:>4} {p['p50']:>8.3f} {p['p99']:>8.3f} {p['max']:>8.3f}")
+    for name, p in r["freed_to_healthy_split_s"].items():
+        if p.get("n"):
+            print(f"    {name:<16} {p['n']:>4} {p['p50']:>8.3f} {p['p99']:>8.3f} {p['max']:>8.3f}")
     t = r["phases_s"]["total"]
     verdict = "meets" if r["meets_total_target"] else "MISSES"
     print(
@@ -703,14 +744,16 @@ def print_mode(r: dict[str, Any], setup: Setup) -> None:
         )
     print(
         f"  reclaims {r['reclaims']} ({r['reclaims_for_service']} for {SERVICE}: "
-        f"{r['unpark']['wake']} wake, {r['unpark']['start']} start; {r['reclaims_for_lending']} for lending); "
+        f"{r['unpark']['wake']} wake, {r['unpark']['start']} start; "
+        f"{r['reclaims_for_lending']} for lending); "
         f"trainer preemptions {r['trainer_preemptions']} (all runs incl. warm-up); "
         f"lost {r['lost_gpu_seconds']:.2f} GPU-s"
     )
     req = r["requests"]
     gw = r["gateway"]
     print(
-        f"  requests sent {req['sent']}, ok {req['ok']}, failed {req['failed']}, cancelled {req['cancelled']}; "
+        f"  requests sent {req['sent']}, ok {req['ok']}, failed {req['failed']}, "
+        f"cancelled {req['cancelled']}; "
         f"gateway non-2xx {gw['non_2xx']:g}, upstream errors {gw['upstream_errors']:g}, "
         f"no backend {gw['no_backend']:g}"
     )
@@ -723,9 +766,13 @@ def print_mode(r: dict[str, Any], setup: Setup) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--surges", type=int, default=50, help="measured surges per park mode")
-    parser.add_argument("--warmup", type=int, default=1, help="unmeasured surges first (the first wake is a start)")
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="unmeasured surges first (the first wake is a start)"
+    )
     parser.add_argument("--park", default="stop,sleep", help="park modes to run: stop, sleep or both")
     parser.add_argument("--trainer-gpus", type=int, default=2, choices=(1, 2), help="GPUs per trainer job")
     parser.add_argument("--grace", type=float, default=5.0, help="the service's reclaim_grace (s)")
@@ -754,7 +801,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(
         f"\nreclaim: 1 node x {setup.nodes_gpus} GPUs, replicas of {setup.gpus_per_replica} GPUs (1..2), "
-        f"{setup.trainers} trainers x {setup.trainer_gpus} GPUs, tick {setup.tick_s:g}s, grace {setup.grace_s:g}s, "
+        f"{setup.trainers} trainers x {setup.trainer_gpus} GPUs, tick {setup.tick_s:g}s, "
+        f"grace {setup.grace_s:g}s, "
         f"cold start {setup.cold_start_s:g}s, wake {setup.wake_s:g}s"
     )
     for r in results:
