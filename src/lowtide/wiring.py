@@ -16,7 +16,8 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import TextIO
@@ -25,6 +26,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from lowtide.adapters.container import resolve_runtime
+from lowtide.adapters.exit_watch import ExitWatcher
 from lowtide.adapters.gateway import GatewayRouter, GatewayServer
 from lowtide.adapters.gpu_discovery import GpuDiscoveryError, discover_gpus
 from lowtide.adapters.local_executor import LocalExecutor
@@ -83,6 +85,17 @@ def ensure_admin_token(store: Store, path: Path, now: float) -> str | None:
     return raw
 
 
+class _LateCall:
+    """A callback whose target is bound later (the loop is built after the adapters that wake it)."""
+
+    def __init__(self) -> None:
+        self.target: Callable[[], None] | None = None
+
+    def __call__(self) -> None:
+        if self.target is not None:
+            self.target()
+
+
 @dataclass
 class Embedded:
     settings: Settings
@@ -94,6 +107,16 @@ class Embedded:
     clock: Clock
     inference: InferenceController | None = None
     gateway: GatewayRouter | None = None
+    watcher: ExitWatcher = field(default_factory=lambda: ExitWatcher(lambda: None))
+
+    def close(self) -> None:
+        """Stop watching processes and close the store. Steps and replicas keep running (the next
+        start re-adopts them)."""
+        if self.inference is not None:
+            self.inference.manager.close()
+        self.executor.close()
+        self.watcher.close()
+        self.store.close()
 
     def loop_status(self) -> LoopStatus:
         last = self.loop.last_tick
@@ -118,7 +141,10 @@ def build(settings: Settings, *, clock: Clock | None = None) -> Embedded:
         raise ConfigError(f"artifact_root {settings.artifacts}: cannot be used: {exc}") from exc
     store = Store.open(settings.database_url)
     runtime = None if settings.executor.runtime == "process" else resolve_runtime(settings.executor.runtime)
-    executor = LocalExecutor(store.instance_id(), runtime=runtime)
+    # A process ending or a replica answering wakes the loop at once (bound once the loop exists).
+    wake = _LateCall()
+    watcher = ExitWatcher(wake)
+    executor = LocalExecutor(store.instance_id(), runtime=runtime, watcher=watcher)
     layout = ArtifactLayout(artifact_root=settings.artifacts, work_root=settings.work_root)
     scheduler = SchedulerPolicy(
         fair_share=FairSharePolicy(
@@ -127,7 +153,9 @@ def build(settings: Settings, *, clock: Clock | None = None) -> Embedded:
         ),
         max_reservations=settings.scheduler.max_reservations,
     )
-    inference, router = build_inference(settings, nodes, store, store.instance_id())
+    inference, router = build_inference(
+        settings, nodes, store, store.instance_id(), watcher=watcher, on_progress=wake
+    )
     loop = ControlLoop(
         store=store,
         executor=executor,
@@ -160,7 +188,8 @@ def build(settings: Settings, *, clock: Clock | None = None) -> Embedded:
         ),
     )
     app = create_app(ctx)
-    embedded = Embedded(settings, nodes, store, executor, loop, app, clock, inference, router)
+    wake.target = loop.wake
+    embedded = Embedded(settings, nodes, store, executor, loop, app, clock, inference, router, watcher)
     ctx.loop_status = embedded.loop_status
     return embedded
 
@@ -249,7 +278,13 @@ def lending_policy(settings: Settings) -> LendingPolicy:
 
 
 def build_inference(
-    settings: Settings, nodes: tuple[Node, ...], store: Store, instance_id: str
+    settings: Settings,
+    nodes: tuple[Node, ...],
+    store: Store,
+    instance_id: str,
+    *,
+    watcher: ExitWatcher | None = None,
+    on_progress: Callable[[], None] | None = None,
 ) -> tuple[InferenceController | None, GatewayRouter | None]:
     """The inference side, when there is anything for it to do (services, or lending rules)."""
     if not settings.services and settings.lending.mode == "continuous":
@@ -271,7 +306,7 @@ def build_inference(
     )
     controller = InferenceController(
         store=store,
-        manager=LocalServiceManager(instance_id),
+        manager=LocalServiceManager(instance_id, watcher=watcher, on_progress=on_progress),
         sources={cfg.name: metrics_source(cfg) for cfg in settings.services},
         gateway=router,
         services=setups,
@@ -413,11 +448,8 @@ def serve(settings: Settings, *, announce: bool = True, stop_replicas_on_exit: b
             log.warning("%d step(s) keep running; the next `lowtide up` re-adopts them", running)
         if gateways is not None:
             gateways.stop()
-        if lt.inference is not None:
-            if stop_replicas_on_exit:
-                stop_replicas(lt.inference, lt.clock)
-            lt.inference.manager.close()
-        lt.executor.close()
-        lt.store.close()
+        if lt.inference is not None and stop_replicas_on_exit:
+            stop_replicas(lt.inference, lt.clock)
+        lt.close()
         sock.close()
         lock.close()

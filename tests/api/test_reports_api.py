@@ -122,7 +122,7 @@ def lt(tmp_path: Path) -> Iterator[Lt]:
     env = Lt(tmp_path)
     yield env
     env.client.close()
-    env.store.close()
+    env.lt.close()
 
 
 def locs(response: Any) -> list[str]:

@@ -240,8 +240,7 @@ def seeded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     REAL.admin_token_id = admin_record.id
     yield Seeded(lt, admin, job_id, "hello", spare.id)
     REAL.values, REAL.admin_token_id = {}, None
-    lt.executor.close()
-    lt.store.close()
+    lt.close()
 
 
 @schema.parametrize()
@@ -365,7 +364,7 @@ def test_openapi_document_is_valid_openapi_3_and_submit_takes_yaml_and_json(tmp_
         # The fuzzed operations are exactly the served app's.
         assert labels == {result.ok().label for result in schema.get_all_operations()}
     finally:
-        lt.store.close()
+        lt.close()
 
 
 def _locs(response: Any) -> list[str]:

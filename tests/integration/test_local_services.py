@@ -27,6 +27,7 @@ import httpx
 import psutil
 import pytest
 
+from lowtide.adapters.exit_watch import ExitWatcher
 from lowtide.adapters.local_executor import TAG_ENV as STEP_TAG_ENV
 from lowtide.adapters.local_services import (
     CHECK_THREAD_NAME,
@@ -609,3 +610,42 @@ def test_reap_orphans_kills_only_unknown_replicas_of_this_instance(world: World)
     assert get(foreign, "/health").status_code == 200
     assert second.reap_orphans({"chat/0"}) == []
     assert {p.environ()[REPLICA_TAG_ENV] for p in tagged(instance)} == {f"{instance} chat/0"}
+
+
+def test_a_wake_is_posted_at_once_and_its_answer_nudges_the_loop(world: World) -> None:
+    """unpark sends POST /wake_up itself (no poll needed), and the answers that move the replica
+    on (wake done, then awake and healthy) call `on_progress`, so the loop polls without a tick."""
+    nudged = threading.Event()
+    manager = world.manager(on_progress=nudged.set)
+    drive = Driver(manager)
+    # Awake as soon as the POST is answered, as vLLM does (it answers /wake_up when done).
+    launch = world.launch("chat/0", "--wake-delay", "0")
+    manager.start(launch, time.time())
+    assert drive.next("chat/0").kind == "healthy"
+    manager.park("chat/0", "sleep", time.time())
+    assert drive.next("chat/0").kind == "asleep"
+
+    nudged.clear()
+    manager.unpark("chat/0", time.time())  # no poll after this until the nudge
+    assert nudged.wait(10), "the POST /wake_up answer did not nudge"
+    assert "POST /wake_up" in Path(launch.log_path).read_text()
+    nudged.clear()
+    assert drive.poll() == []  # collects the POST's answer; asks /is_sleeping + /health at once
+    assert nudged.wait(10), "the awake-and-healthy answer did not nudge"
+    assert [e.kind for e in drive.poll()] == ["healthy"]
+
+
+def test_a_replica_exit_is_heard_through_the_exit_watcher(world: World) -> None:
+    exited = threading.Event()
+    watcher = ExitWatcher(exited.set)
+    try:
+        manager = world.manager(watcher=watcher)
+        drive = Driver(manager)
+        launch = world.launch("chat/0")
+        manager.start(launch, time.time())
+        assert drive.next("chat/0").kind == "healthy"
+        os.kill(info(launch)["pid"], signal.SIGKILL)  # the server dies; its shim follows
+        assert exited.wait(10), "the replica's end did not wake anybody"
+        assert drive.next("chat/0").kind == "failed"
+    finally:
+        watcher.close()

@@ -79,8 +79,7 @@ def lt(tmp_path: Path) -> Embedded:
         if att.pid:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(att.pid, signal.SIGKILL)
-    system.executor.close()
-    system.store.close()
+    system.close()
 
 
 def test_a_three_step_dag_runs_in_order_on_the_gpus_it_was_given(lt: Embedded) -> None:
@@ -270,8 +269,7 @@ def test_restart_of_the_control_plane_readopts_a_running_step(tmp_path: Path) ->
     tick_until(first, lambda: steps(first, job)["a"] == "RUNNING", what="start")
     pid = first.store.active_attempts()[0].pid
     # The control plane goes away without stopping anything (as after kill -9).
-    first.executor.close()
-    first.store.close()
+    first.close()
     second = embedded(tmp_path, auth={"enabled": False})
     report = second.loop.recover()
     assert len(report.adopted) == 1 and report.lost == () and report.orphans_killed == ()
@@ -279,8 +277,7 @@ def test_restart_of_the_control_plane_readopts_a_running_step(tmp_path: Path) ->
     tick_until(second, lambda: job_state(second, job) == "SUCCEEDED", what="the adopted step to finish")
     att = detail(second, job)["attempts"][0]
     assert (att["state"], att["exit_code"]) == ("SUCCEEDED", 0)
-    second.executor.close()
-    second.store.close()
+    second.close()
 
 
 def test_a_step_that_vanished_while_the_control_plane_was_down_is_requeued(tmp_path: Path) -> None:
@@ -304,8 +301,7 @@ def test_a_step_that_vanished_while_the_control_plane_was_down_is_requeued(tmp_p
     )
     tick_until(first, lambda: steps(first, job)["a"] == "RUNNING", what="start")
     pid = first.store.active_attempts()[0].pid
-    first.executor.close()
-    first.store.close()
+    first.close()
     os.killpg(pid, signal.SIGKILL)  # the whole step group dies while nobody watches
     wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
     second = embedded(tmp_path, auth={"enabled": False})
@@ -315,5 +311,4 @@ def test_a_step_that_vanished_while_the_control_plane_was_down_is_requeued(tmp_p
     d = detail(second, job)
     assert d["attempts"][0]["state"] in ("LOST", "FAILED")
     assert d["attempts"][-1]["state"] == "SUCCEEDED"
-    second.executor.close()
-    second.store.close()
+    second.close()

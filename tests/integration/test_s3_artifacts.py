@@ -142,8 +142,7 @@ def lt(tmp_path: Path, bucket: Bucket) -> Iterator[Embedded]:
         if att.pid:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(att.pid, signal.SIGKILL)
-    system.executor.close()
-    system.store.close()
+    system.close()
 
 
 # -- helpers -----------------------------------------------------------------------------------

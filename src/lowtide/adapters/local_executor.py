@@ -19,6 +19,7 @@ Safety rules: a group is only signalled while its leader is verifiably our shim 
 of ours, or pid and start time matching); single processes only by our tag; another installation's
 processes are never touched. Every method takes `now` and none sleeps; `runtime kill` helpers are
 started and reaped by later polls. Not thread-safe: the control loop calls it from one thread.
+With an `adapters.exit_watch.ExitWatcher` the loop hears of a shim's end at once (then polls).
 
 The process mechanics (shim command line, pid + start time identity, group signalling, tag
 sweeps, atomic records) are shared with `adapters.local_services` through `adapters.supervision`.
@@ -44,6 +45,7 @@ from pathlib import Path
 import psutil
 
 from lowtide.adapters.container import ContainerRuntime, container_command, container_name
+from lowtide.adapters.exit_watch import ExitWatcher
 from lowtide.adapters.supervision import (
     SHIM_MODULE,
     START_TIME_TOLERANCE,
@@ -164,6 +166,7 @@ class LocalExecutor:
         *,
         runtime: ContainerRuntime | None = None,
         python: str = sys.executable,
+        watcher: ExitWatcher | None = None,
     ) -> None:
         if not instance_id or any(c.isspace() for c in instance_id):
             raise ValueError(f"instance id must be non-empty without spaces: {instance_id!r}")
@@ -172,6 +175,8 @@ class LocalExecutor:
         self._python = python
         self._watched: dict[int, _Watch] = {}
         self._reap_later: list[subprocess.Popen[bytes]] = []  # exited shims and `runtime kill`s
+        # Makes the loop poll as soon as a shim ends (its GPUs are free), not at the next tick.
+        self._watcher = watcher
 
     # -- launch ---------------------------------------------------------------------------
 
@@ -237,6 +242,7 @@ class LocalExecutor:
             popen=popen,
             container=name,
         )
+        self._watch_exit(req.attempt_id, identity)
         return identity
 
     # -- stop -----------------------------------------------------------------------------
@@ -312,8 +318,14 @@ class LocalExecutor:
                 continue
             if result is not None:
                 del self._watched[watch.attempt_id]
+                if self._watcher is not None:
+                    self._watcher.forget(("attempt", watch.attempt_id))
                 exits.append(result)
         return exits
+
+    def _watch_exit(self, attempt_id: int, identity: ProcessIdentity) -> None:
+        if self._watcher is not None:
+            self._watcher.watch(("attempt", attempt_id), identity)
 
     def _poll_one(self, watch: _Watch, now: float) -> AttemptExit | None:
         status = _read_status(watch.exit_file)
@@ -392,6 +404,7 @@ class LocalExecutor:
                     deadline=None if resend else request.stop_deadline,
                 )
                 self._watched[request.attempt_id] = watch
+                self._watch_exit(request.attempt_id, identity)
                 if resend and request.stop_deadline is not None:
                     self.notify_stop(request.attempt_id, request.stop_deadline, now)
                 return AdoptResult(AdoptOutcome.ADOPTED, identity=identity)
@@ -459,6 +472,9 @@ class LocalExecutor:
         """Stop watching; processes keep running for a later control plane to adopt."""
         _DETACHED.extend(w.popen for w in self._watched.values() if w.popen is not None)
         _DETACHED.extend(self._reap_later)
+        if self._watcher is not None:
+            for attempt_id in self._watched:
+                self._watcher.forget(("attempt", attempt_id))
         self._watched.clear()
         self._reap_later = []
         reap_exited(_DETACHED)

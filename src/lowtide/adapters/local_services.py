@@ -17,7 +17,10 @@ asyncio loop (`adapters.replica_checks`, `http_timeout_s` per request); `poll` o
 finished results, checks process liveness (a `waitid` without reaping, or pid + start time for
 adopted processes), applies deadlines and submits the next request. A replica has at most one
 request in flight (so a POST /sleep and a later POST /wake_up reach it in order) and gets one at
-most every `health_interval_s`. A request that hangs only delays that replica.
+most every `health_interval_s`. A request that hangs only delays that replica. A park or unpark
+sends its POST at once; an answer that moves a replica on calls `on_progress` (the loop's wake) and
+an `adapters.exit_watch.ExitWatcher` reports a replica's process ending, so a woken replica serves
+within milliseconds of its wake, not a tick or two later.
 
 **States tracked per replica** (`Phase`; "live" = a process exists):
 - STARTING (live): launched; GET /health until 200 → HEALTHY, event ``healthy``. Not healthy
@@ -62,12 +65,15 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import partial
 
 import psutil
 
+from lowtide.adapters.exit_watch import ExitWatcher
 from lowtide.adapters.replica_checks import CHECK_THREAD_NAME, Answer, Checker, ProbeKind, describe_answer
 from lowtide.adapters.replica_processes import (
     EXIT_FILE,
@@ -152,10 +158,12 @@ class LocalServiceManager:
         self,
         instance_id: str,
         *,
-        health_interval_s: float = 1.0,
+        health_interval_s: float = 0.25,
         http_timeout_s: float = 2.0,
         stop_grace_s: float = 30.0,
         python: str = sys.executable,
+        watcher: ExitWatcher | None = None,
+        on_progress: Callable[[], None] | None = None,
     ) -> None:
         if not instance_id or any(c.isspace() for c in instance_id):
             raise ValueError(f"instance id must be non-empty without spaces: {instance_id!r}")
@@ -171,6 +179,9 @@ class LocalServiceManager:
         self._events: list[ReplicaEvent] = []
         self._checker = Checker(http_timeout_s)
         self._closed = False
+        # Both make the loop poll soon: a replica's process ended, or a check's answer moves it on.
+        self._watcher = watcher
+        self._on_progress = on_progress
 
     # -- the port -------------------------------------------------------------------------------
 
@@ -207,6 +218,7 @@ class LocalServiceManager:
             self._begin_stop(rep, now, note="not serving yet, so stopped instead of put to sleep")
         else:  # HEALTHY, WAKING, CHECKING
             self._set_phase(rep, Phase.SLEEPING, now, deadline=now + rep.launch.health_timeout_s)
+            self._submit_now(rep, now)
 
     def unpark(self, replica_id: str, now: float) -> None:
         """Asleep → POST /wake_up; stopped or failed → start again with the same launch; `poll`
@@ -216,6 +228,7 @@ class LocalServiceManager:
         if phase in (Phase.ASLEEP, Phase.CHECKING):
             # CHECKING: an adopted replica may be asleep; /wake_up on an awake vLLM does nothing.
             self._set_phase(rep, Phase.WAKING, now, deadline=now + rep.launch.health_timeout_s)
+            self._submit_now(rep, now)  # every tick counts while research waits for the wake
         elif phase in _GONE:
             self._spawn(rep.launch, now)
         elif phase == Phase.HEALTHY:
@@ -263,6 +276,7 @@ class LocalServiceManager:
         rep = _Replica(launch=launch, phase=Phase.CHECKING, proc=proc)
         self._set_phase(rep, Phase.CHECKING, now, deadline=now + launch.health_timeout_s)
         self._replicas[replica_id] = rep
+        self._watch_exit(rep)
         log.info("replica %s: adopted shim pid %s", replica_id, proc.identity.pid)
         return True
 
@@ -276,6 +290,9 @@ class LocalServiceManager:
         if self._closed:
             return
         self._closed = True
+        if self._watcher is not None:
+            for rid in self._replicas:
+                self._watcher.forget(("replica", rid))
         self._procs.detach(
             rep.proc.popen
             for rep in self._replicas.values()
@@ -307,6 +324,7 @@ class LocalServiceManager:
         except SpawnError as exc:
             self._fail_now(rep, now, str(exc))
             return
+        self._watch_exit(rep)
         log.info("replica %s: started (shim pid %s, port %s)", rid, rep.proc.identity.pid, launch.port)
 
     def _fail_now(self, rep: _Replica, now: float, why: str) -> None:
@@ -355,6 +373,30 @@ class LocalServiceManager:
             self._submit(rep, now)
         return False
 
+    def _submit_now(self, rep: _Replica, now: float) -> None:
+        """Send the new phase's first request now rather than at the next poll (when none is in
+        flight: one request per replica at a time keeps a POST /sleep and /wake_up in order)."""
+        if rep.inflight is None and rep.proc is not None:
+            self._submit(rep, now)
+
+    def _watch_exit(self, rep: _Replica) -> None:
+        if self._watcher is not None and rep.proc is not None:
+            self._watcher.watch(("replica", rep.launch.replica_id), rep.proc.identity)
+
+    def _answered(self, kind: ProbeKind, future: Future[Answer]) -> None:
+        """On the check thread: nudge the loop when an answer will move the replica on (not for a
+        "still starting" or "still asleep" answer), so `poll` hears it now, not a tick later."""
+        if self._on_progress is None or future.cancelled() or future.exception() is not None:
+            return
+        a = future.result()
+        waiting = (
+            (kind == "health" and a.status != 200)
+            or (kind == "is_sleeping" and not a.sleeping)
+            or (kind == "awake" and not (a.sleeping is False and a.healthy))
+        )
+        if not waiting:
+            self._on_progress()
+
     def _submit(self, rep: _Replica, now: float) -> None:
         kind: ProbeKind
         if rep.phase == Phase.STARTING:
@@ -366,6 +408,7 @@ class LocalServiceManager:
         else:
             kind = "awake" if rep.posted else "wake"
         rep.inflight = self._checker.submit(_base_url(rep.launch), kind)
+        rep.inflight.add_done_callback(partial(self._answered, kind))
         rep.inflight_op = rep.op
         rep.inflight_kind = kind
         rep.inflight_since = now
@@ -423,6 +466,8 @@ class LocalServiceManager:
         assert proc is not None
         how = self._procs.ended(proc)  # reaps the (swept) shim
         rep.proc = None
+        if self._watcher is not None:
+            self._watcher.forget(("replica", rep.launch.replica_id))
         kind: ReplicaEventKind
         if rep.phase == Phase.STOPPING:
             detail = how
