@@ -54,7 +54,7 @@ class Api:
 def api(tmp_path: Path) -> Iterator[Api]:
     lt = embedded(tmp_path)
     yield Api(lt)
-    lt.store.close()
+    lt.close()
 
 
 def locs(response: Any) -> list[str]:
@@ -258,6 +258,12 @@ def test_pool_health_and_metrics(api: Api) -> None:
     assert 'lowtide_gpus{holder="idle"} 6.0' in text
     assert "lowtide_queue_steps 1.0" in text
     assert "lowtide_gpus_total 6.0" in text
+    assert 'lowtide_reclaims{state="OPEN"} 0.0' in text
+    assert "lowtide_preemptions 0.0" in text and "lowtide_lost_gpu_seconds 0.0" in text
+    api.lt.store.open_reclaim(
+        service="chat", replica_id=None, reason="test", gpus=2, victims=(), detected_at=1.0, decided_at=1.0
+    )
+    assert 'lowtide_reclaims{state="OPEN"} 1.0' in api.client.get("/metrics").text
 
 
 def test_logs_of_a_step_that_has_not_started_are_a_404(api: Api) -> None:
@@ -298,4 +304,4 @@ def test_with_a_container_runtime_every_step_needs_an_image(
     doc["steps"][0]["image"] = "i:1"
     r = client.post("/v1/jobs", content=yaml.safe_dump(doc), headers={"Content-Type": "application/yaml"})
     assert r.status_code == 201
-    lt.store.close()
+    lt.close()

@@ -16,7 +16,7 @@ from lowtide.domain.gpus import Node
 from lowtide.domain.layout import ArtifactLayout
 from lowtide.domain.spec_parse import build_job_spec
 from lowtide.domain.spec_render import render_step
-from lowtide.domain.states import AttemptState, IllegalTransition, JobState, StepState
+from lowtide.domain.states import AttemptState, IllegalTransition, JobState, ReclaimState, StepState
 from lowtide.policy.dag import advance
 from lowtide.policy.outcomes import RetryPolicy, classify_exit
 from lowtide.store.repo import Store, hash_token
@@ -322,3 +322,31 @@ def test_tokens_are_stored_hashed_and_can_be_revoked(store: Store, clock: FakeCl
 
 def test_instance_id_is_stable(store: Store) -> None:
     assert store.instance_id() == store.instance_id()
+
+
+def test_a_reclaim_records_phases_while_open_and_ends_once(store: Store) -> None:
+    rid = store.open_reclaim(
+        service="chat",
+        replica_id="chat/1",
+        reason="r",
+        gpus=2,
+        victims=(4, 5),
+        detected_at=1.0,
+        decided_at=1.5,
+    )
+    store.update_reclaim(rid, notice_at=1.5, freed_at=3.0)
+    with pytest.raises(IllegalTransition):
+        store.update_reclaim(rid, state=ReclaimState.OPEN)
+    with pytest.raises(ValueError):
+        store.update_reclaim(rid, victims=[1])
+    store.update_reclaim(rid, healthy_at=4.0, state=ReclaimState.DONE)
+    (rec,) = store.reclaims()
+    assert (rec.state, rec.notice_at, rec.freed_at, rec.healthy_at) == (ReclaimState.DONE, 1.5, 3.0, 4.0)
+    assert rec.victims == (4, 5)
+    # One writer, guarded: a finished reclaim does not change any more.
+    with pytest.raises(StaleState):
+        store.update_reclaim(rid, state=ReclaimState.ABANDONED)
+    with pytest.raises(StaleState):
+        store.update_reclaim(rid, healthy_at=9.0)
+    assert store.reclaims(state=ReclaimState.OPEN) == []
+    assert store.reclaims(state="DONE")[0].healthy_at == 4.0

@@ -50,6 +50,14 @@ def metrics_text(
     for kind in ("idle", "attempt", "replica"):
         gpus.labels(kind).set(counts["gpus"].get(kind, 0))
     Gauge("lowtide_gpus_total", "GPUs managed by lowtide", registry=reg).set(sum(n.gpu_count for n in nodes))
+    reclaims = Gauge("lowtide_reclaims", "Reclaims of lent GPUs by state (all time)", ["state"], registry=reg)
+    for reclaim_state in ("OPEN", "DONE", "ABANDONED"):
+        reclaims.labels(reclaim_state).set(counts["reclaims"].get(reclaim_state, 0))
+    preemptions, lost = store.preemption_totals()
+    Gauge("lowtide_preemptions", "Step preemptions recorded (all time)", registry=reg).set(preemptions)
+    Gauge("lowtide_lost_gpu_seconds", "GPU-seconds of work lost to preemptions (all time)", registry=reg).set(
+        lost
+    )
     if loop is not None:
         Gauge("lowtide_loop_ticks", "Control-loop ticks since start", registry=reg).set(loop.ticks)
         Gauge("lowtide_loop_tick_errors", "Items that failed inside ticks since start", registry=reg).set(

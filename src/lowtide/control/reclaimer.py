@@ -23,7 +23,7 @@ from typing import Protocol
 from lowtide.control.records import ReclaimRecord, ReplicaRecord, StaleState
 from lowtide.domain.gpus import GpuRef, Node
 from lowtide.domain.services import ServiceSpec
-from lowtide.domain.states import SUPPLY_REPLICA_STATES, ReplicaState
+from lowtide.domain.states import SUPPLY_REPLICA_STATES, ReclaimState, ReplicaState
 from lowtide.policy.lending import Envelope
 from lowtide.policy.reclaim import ReclaimPlan, ReclaimRequest, ReplicaNeed, RunningVictim, plan_reclaim
 from lowtide.policy.replicas import ReplicaPlan
@@ -52,7 +52,7 @@ class ReclaimStore(Protocol):
 
     def update_reclaim(self, reclaim_id: int, **phases: object) -> None: ...
 
-    def reclaims(self, *, state: str | None = None, limit: int = 1000) -> list[ReclaimRecord]: ...
+    def reclaims(self, *, state: ReclaimState | None = None, limit: int = 1000) -> list[ReclaimRecord]: ...
 
     def attempt_times(
         self, attempt_ids: Iterable[int]
@@ -186,7 +186,7 @@ class Reclaimer:
 
     def _track(self, now: float, replicas: Mapping[str, ReplicaRecord]) -> None:
         """Fill in notice / freed / healthy times of open reclaims from what the store says."""
-        for rec in self.store.reclaims(state="OPEN"):
+        for rec in self.store.reclaims(state=ReclaimState.OPEN):
             times = self.store.attempt_times(rec.victims)
             phases: dict[str, object] = {}
             notices = [t[0] for t in times.values()]
@@ -198,7 +198,7 @@ class Reclaimer:
             freed_at = phases.get("freed_at", rec.freed_at)
             if rec.service is None:
                 if freed_at is not None:
-                    phases["state"] = "DONE"
+                    phases["state"] = ReclaimState.DONE
             elif freed_at is not None:
                 healthy = [
                     r.since
@@ -210,11 +210,14 @@ class Reclaimer:
                 ]
                 if healthy:
                     phases["healthy_at"] = min(healthy)
-                    phases["state"] = "DONE"
+                    phases["state"] = ReclaimState.DONE
                 elif isinstance(freed_at, float) and now - freed_at > ABANDON_AFTER_S:
-                    phases["state"] = "ABANDONED"
+                    phases["state"] = ReclaimState.ABANDONED
             if phases:
-                self.store.update_reclaim(rec.id, **phases)
+                try:
+                    self.store.update_reclaim(rec.id, **phases)
+                except StaleState:
+                    log.info("reclaim %s ended meanwhile; phases not recorded", rec.id)
 
 
 _HOLDING = frozenset({R.STARTING, R.SERVING, R.DRAINING, R.PARKING, R.WAKING})

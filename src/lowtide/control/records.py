@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lowtide.domain.spec import JobSpec, ResolvedStep
-from lowtide.domain.states import AttemptState, JobState, ReplicaState, StepState
+from lowtide.domain.states import AttemptState, JobState, ReclaimState, ReplicaState, StepState
 
 
 class StoreError(Exception):
@@ -243,7 +243,7 @@ class ReclaimRecord:
     reason: str
     gpus: int
     victims: tuple[int, ...]  # attempt ids
-    state: str  # OPEN | DONE | ABANDONED
+    state: ReclaimState
     detected_at: float
     decided_at: float
     notice_at: float | None

@@ -154,3 +154,21 @@ REPLICA_LIFECYCLE: Lifecycle[ReplicaState] = Lifecycle(
 GPU_HOLDING_REPLICA_STATES = frozenset({R.STARTING, R.SERVING, R.DRAINING, R.PARKING, R.WAKING})
 #: Replica states that count as inference capacity now or soon (supply for the autoscaler).
 SUPPLY_REPLICA_STATES = frozenset({R.STARTING, R.SERVING, R.WAKING})
+
+
+class ReclaimState(StrEnum):
+    """One taking-back of lent GPUs (`control.reclaimer` is its only writer)."""
+
+    OPEN = "OPEN"  # victims chosen; notice, GPUs free and replica healthy are being recorded
+    DONE = "DONE"  # GPUs back (and, for a service, its replica healthy)
+    ABANDONED = "ABANDONED"  # GPUs back, but the replica never became healthy in time
+
+
+RECLAIM_LIFECYCLE: Lifecycle[ReclaimState] = Lifecycle(
+    "reclaim",
+    {
+        ReclaimState.OPEN: frozenset({ReclaimState.DONE, ReclaimState.ABANDONED}),
+        ReclaimState.DONE: frozenset(),
+        ReclaimState.ABANDONED: frozenset(),
+    },
+)

@@ -16,7 +16,7 @@ from lowtide.control.records import GpuHolding
 from lowtide.domain.gpus import Node
 from lowtide.store import ledger
 from lowtide.store.base import StoreBase
-from lowtide.store.schema import gpu_ledger, jobs, steps
+from lowtide.store.schema import attempts, gpu_ledger, jobs, reclaims, steps
 
 
 class PoolRepo(StoreBase):
@@ -33,7 +33,7 @@ class PoolRepo(StoreBase):
             return ledger.gpu_seconds_by_holder(conn, start, end)
 
     def counts(self) -> dict[str, dict[str, int]]:
-        """Jobs by state, steps by state and GPUs by holder kind (for /metrics)."""
+        """Jobs by state, steps by state, GPUs by holder kind, reclaims by state (for /metrics)."""
         with self._read() as conn:
             job_counts = conn.execute(sa.select(jobs.c.state, sa.func.count()).group_by(jobs.c.state)).all()
             step_counts = conn.execute(
@@ -44,8 +44,23 @@ class PoolRepo(StoreBase):
                 .where(gpu_ledger.c.ended_at.is_(None))
                 .group_by(gpu_ledger.c.holder_kind)
             ).all()
+            reclaim_counts = conn.execute(
+                sa.select(reclaims.c.state, sa.func.count()).group_by(reclaims.c.state)
+            ).all()
         return {
             "jobs": {s: int(n) for s, n in job_counts},
             "steps": {s: int(n) for s, n in step_counts},
             "gpus": {k: int(n) for k, n in gpu_counts},
+            "reclaims": {s: int(n) for s, n in reclaim_counts},
         }
+
+    def preemption_totals(self) -> tuple[int, float]:
+        """All-time preemptions recorded on steps, and the GPU-seconds of work they lost."""
+        with self._read() as conn:
+            count = conn.execute(
+                sa.select(sa.func.coalesce(sa.func.sum(steps.c.preemptions), 0))
+            ).scalar_one()
+            lost = conn.execute(
+                sa.select(sa.func.coalesce(sa.func.sum(attempts.c.lost_gpu_seconds), 0.0))
+            ).scalar_one()
+        return int(count), float(lost)

@@ -13,9 +13,9 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy import Connection
 
-from lowtide.control.records import NotFound, ReclaimRecord, ReplicaRecord, ServiceEventRecord
+from lowtide.control.records import NotFound, ReclaimRecord, ReplicaRecord, ServiceEventRecord, StaleState
 from lowtide.domain.gpus import GpuRef
-from lowtide.domain.states import GPU_HOLDING_REPLICA_STATES, ReplicaState
+from lowtide.domain.states import GPU_HOLDING_REPLICA_STATES, RECLAIM_LIFECYCLE, ReclaimState, ReplicaState
 from lowtide.store import ledger
 from lowtide.store.base import StoreBase
 from lowtide.store.schema import meta, reclaims, replicas, service_events
@@ -174,7 +174,7 @@ class ReplicasRepo(StoreBase):
                     reason=reason,
                     gpus=gpus,
                     victims=list(victims),
-                    state="OPEN",
+                    state=ReclaimState.OPEN.value,
                     detected_at=detected_at,
                     decided_at=decided_at,
                 )
@@ -185,18 +185,30 @@ class ReplicasRepo(StoreBase):
             return int(reclaim_id)
 
     def update_reclaim(self, reclaim_id: int, **phases: Any) -> None:
-        """Record phases (`notice_at`, `freed_at`, `healthy_at`) or the end (`state`)."""
+        """Record phases (`notice_at`, `freed_at`, `healthy_at`) of an OPEN reclaim and, with
+        `state`, end it (`RECLAIM_LIFECYCLE`). Guarded: a reclaim that is no longer OPEN (or does
+        not exist) raises StaleState and is left as it is."""
         allowed = {"notice_at", "freed_at", "healthy_at", "state"}
         unknown = set(phases) - allowed
         if unknown:
             raise ValueError(f"unknown reclaim fields: {sorted(unknown)}")
+        if "state" in phases:
+            target = ReclaimState(phases["state"])
+            RECLAIM_LIFECYCLE.check(ReclaimState.OPEN, target)
+            phases["state"] = target.value
         with self._write() as conn:
-            conn.execute(sa.update(reclaims).where(reclaims.c.id == reclaim_id).values(**phases))
+            done = conn.execute(
+                sa.update(reclaims)
+                .where(reclaims.c.id == reclaim_id, reclaims.c.state == ReclaimState.OPEN.value)
+                .values(**phases)
+            ).rowcount
+        if done != 1:
+            raise StaleState(f"reclaim {reclaim_id} is not open")
 
-    def reclaims(self, *, state: str | None = None, limit: int = 1000) -> list[ReclaimRecord]:
+    def reclaims(self, *, state: ReclaimState | str | None = None, limit: int = 1000) -> list[ReclaimRecord]:
         q = sa.select(reclaims).order_by(reclaims.c.id.desc()).limit(limit)
         if state is not None:
-            q = q.where(reclaims.c.state == state)
+            q = q.where(reclaims.c.state == ReclaimState(state).value)
         with self._read() as conn:
             rows = conn.execute(q).all()
         return [
@@ -207,7 +219,7 @@ class ReplicasRepo(StoreBase):
                 reason=r.reason,
                 gpus=r.gpus,
                 victims=tuple(r.victims),
-                state=r.state,
+                state=ReclaimState(r.state),
                 detected_at=r.detected_at,
                 decided_at=r.decided_at,
                 notice_at=r.notice_at,
