@@ -410,6 +410,10 @@ class _Run:
             return _with(base, status=status, error="other", detail=f"{type(exc).__name__}: {exc}")
 
 
+#: After ``data: [DONE]``, how long the rest of the body (the end of the chunked stream) is awaited.
+DRAIN_AFTER_DONE_S = 0.5
+
+
 def _with(base: RequestResult, **changes: Any) -> RequestResult:
     return dataclasses.replace(base, **changes)
 
@@ -451,7 +455,8 @@ async def _read_stream(base: RequestResult, response: httpx.Response, started: f
     chunks = 0
     usage_tokens: int | None = None
     aborted = False
-    async for line in response.aiter_lines():
+    lines = response.aiter_lines()
+    async for line in lines:
         if not line.startswith("data:"):
             continue  # blank separators, comments, event:/id: fields
         payload = line[5:].strip()
@@ -461,6 +466,12 @@ async def _read_stream(base: RequestResult, response: httpx.Response, started: f
             done = time.perf_counter()
             ttft = (first if first is not None else done) - started
             tokens = usage_tokens if usage_tokens is not None else chunks
+            # Read to the end of the body (briefly), as a well-behaved client does: the connection
+            # can then be reused, and a gateway does not see us leave before it has finished.
+            with contextlib.suppress(TimeoutError, httpx.HTTPError):
+                async with asyncio.timeout(DRAIN_AFTER_DONE_S):
+                    async for _ in lines:
+                        pass
             return _with(base, status=status, ttft_s=ttft, latency_s=done - started, output_tokens=tokens)
         try:
             event = json.loads(payload)
