@@ -33,7 +33,6 @@ import platform
 import secrets
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,11 +48,11 @@ import httpx
 import psutil
 import sqlalchemy as sa
 import yaml
+from harness import MARKER_ENV, free_port, kill_marked, percentile, ps_leftovers, stop_process
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = Path(__file__).parent / "results" / "api_submit.json"
 DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-MARKER_ENV = "LOWTIDE_BENCH_RUN"  # set on the server; every step process inherits it
 NODES = 2
 GPUS_PER_NODE = 8
 
@@ -90,20 +89,6 @@ steps:
 
 def job_spec(n: int) -> bytes:
     return SPEC_TEMPLATE.format(n=n, team=n % 4).encode("utf-8")
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile of an already sorted list."""
-    if not sorted_values:
-        return float("nan")
-    rank = max(1, round(q / 100 * len(sorted_values)))
-    return sorted_values[min(rank, len(sorted_values)) - 1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -- PostgreSQL database for one run ----------------------------------------------------------
@@ -191,53 +176,7 @@ def start_server(workdir: Path, store_url: str | None, lowtide: Path) -> Server:
 
 
 def stop_server(server: Server) -> None:
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGTERM)
-        try:
-            server.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(server.proc.pid, signal.SIGKILL)
-            server.proc.wait(timeout=10)
-
-
-def marked_processes(marker: str) -> list[psutil.Process]:
-    """Processes whose environment carries this run's marker (the server and its steps)."""
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        with contextlib.suppress(psutil.Error):
-            if proc.pid != os.getpid() and proc.environ().get(MARKER_ENV) == marker:
-                found.append(proc)
-    return found
-
-
-def kill_marked(marker: str) -> int:
-    """Kill the step processes this run's server started (by process group, then singly)."""
-    procs = marked_processes(marker)
-    groups = set()
-    for p in procs:
-        with contextlib.suppress(psutil.Error, OSError):
-            groups.add(os.getpgid(p.pid))
-    own = os.getpgid(0)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pgid in groups - {own}:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, sig)
-        for p in procs:
-            with contextlib.suppress(psutil.Error):
-                p.send_signal(sig)
-        _, alive = psutil.wait_procs(procs, timeout=5)
-        if not alive:
-            break
-        procs = alive
-    return len(groups)
-
-
-def ps_leftovers(marker: str) -> list[str]:
-    """`ps` listing (with environment) of anything still carrying the marker."""
-    out = subprocess.run(["ps", "eww", "-e", "-o", "pid=,args="], capture_output=True, text=True, check=False)
-    needle = f"{MARKER_ENV}={marker}"
-    return [line.strip()[:160] for line in out.stdout.splitlines() if needle in line]
+    stop_process(server.proc, timeout=30)
 
 
 # -- the load -------------------------------------------------------------------------------------

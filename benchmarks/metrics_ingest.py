@@ -42,6 +42,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness import percentile
 from prometheus_client.parser import text_string_to_metric_families
 
 from lowtide.adapters.vllm_metrics import ParseCache, parse_vllm_metrics
@@ -231,12 +232,6 @@ def build_fleet(replicas: int, seed: int) -> list[SimulatedReplica]:
             server.finish([Request(0.1, 3.0, [0.03] * 5, 500, 6)] * 3, engine=engine)
         fleet.append(SimulatedReplica(server, random.Random(rng.random())))
     return fleet
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile of an already sorted list."""
-    rank = max(1, round(q / 100 * len(sorted_values)))
-    return sorted_values[min(rank, len(sorted_values)) - 1]
 
 
 def figures(values: list[float]) -> dict[str, float]:

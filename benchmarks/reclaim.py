@@ -38,12 +38,10 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
 import os
 import platform
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -57,15 +55,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
-import psutil
 import yaml
+from harness import MARKER_ENV, free_port, kill_marked, percentile, ps_leftovers, stop_process
 from prometheus_client.parser import text_string_to_metric_families
 
 from lowtide.emulator.loadgen import LoadReport, run_load
 from lowtide.emulator.traces import FixedTokens, synthetic
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "reclaim.json"
-MARKER_ENV = "LOWTIDE_BENCH_RUN"  # set on the server; replicas and steps inherit it
 SERVICE = "chat"
 PHASES = (
     ("detect_to_decide", "detected_at", "decided_at"),
@@ -115,14 +112,6 @@ class Setup:
 # -- helpers ----------------------------------------------------------------------------------------
 
 
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile of an already sorted list."""
-    if not sorted_values:
-        return float("nan")
-    rank = max(1, math.ceil(q / 100 * len(sorted_values)))
-    return sorted_values[min(rank, len(sorted_values)) - 1]
-
-
 def summary(values: list[float]) -> dict[str, Any]:
     v = sorted(values)
     if not v:
@@ -135,12 +124,6 @@ def summary(values: list[float]) -> dict[str, Any]:
         "max": round(v[-1], 3),
         "mean": round(sum(v) / len(v), 3),
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def free_port_range(n: int) -> int:
@@ -294,51 +277,7 @@ def start_server(workdir: Path, setup: Setup, park: str) -> Server:
 
 def stop_server(server: Server) -> None:
     server.client.close()
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGTERM)
-        try:
-            server.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(server.proc.pid, signal.SIGKILL)
-            server.proc.wait(timeout=10)
-
-
-def marked_processes(marker: str) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        with contextlib.suppress(psutil.Error):
-            if proc.pid != os.getpid() and proc.environ().get(MARKER_ENV) == marker:
-                found.append(proc)
-    return found
-
-
-def kill_marked(marker: str) -> int:
-    """Kill what this run's server started (step and replica shims, their children) by group."""
-    procs = marked_processes(marker)
-    groups: set[int] = set()
-    for p in procs:
-        with contextlib.suppress(psutil.Error, OSError):
-            groups.add(os.getpgid(p.pid))
-    own = os.getpgid(0)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pgid in groups - {own}:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, sig)
-        for p in procs:
-            with contextlib.suppress(psutil.Error):
-                p.send_signal(sig)
-        _, alive = psutil.wait_procs(procs, timeout=5)
-        if not alive:
-            break
-        procs = alive
-    return len(groups)
-
-
-def ps_leftovers(marker: str) -> list[str]:
-    out = subprocess.run(["ps", "eww", "-e", "-o", "pid=,args="], capture_output=True, text=True, check=False)
-    needle = f"{MARKER_ENV}={marker}"
-    return [line.strip()[:160] for line in out.stdout.splitlines() if needle in line]
+    stop_process(server.proc, timeout=60)
 
 
 # -- research: the trainers -------------------------------------------------------------------------

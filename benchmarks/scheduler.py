@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from harness import percentile
+
 from lowtide.domain.gpus import GpuRef, Node
 from lowtide.policy.fairshare import FairSharePolicy
 from lowtide.policy.scheduler import SchedulerPolicy, decide
@@ -97,12 +99,6 @@ def build_snapshot(seed: int = 42) -> Snapshot:
         unavailable=frozenset(unavailable),
         team_usage=team_usage,
     )
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile of an already sorted list."""
-    rank = max(1, round(q / 100 * len(sorted_values)))
-    return sorted_values[min(rank, len(sorted_values)) - 1]
 
 
 def main(argv: list[str] | None = None) -> int:
