@@ -152,4 +152,7 @@ lowtide show "$OFTEN"
 lowtide services
 [ "$states" = "SUCCEEDED " ]
 
+say "accounting on the ledger: lowtide report --since 1h --by job (GPU-hours, work lost to preemption)"
+lowtide report --since 1h --by job
+
 say "done. Both configurations are in examples/: lowtide.yaml and lowtide-inference.yaml"
