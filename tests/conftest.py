@@ -19,6 +19,10 @@ import sqlalchemy as sa
 from lowtide.control.clock import FakeClock
 from lowtide.store.repo import Store
 
+# The CLI's consoles read $COLUMNS when `lowtide.cli` is imported; pytest-xdist workers set it to
+# 80, which cuts ids and headers out of the tables the CLI tests read. Tests want wide tables.
+os.environ["COLUMNS"] = "200"
+
 PG_ADMIN_URL = os.environ.get("LOWTIDE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REQUIRE_SERVICES = os.environ.get("LOWTIDE_REQUIRE_SERVICES") == "1"
 REPO = Path(__file__).resolve().parents[1]

@@ -266,7 +266,9 @@ def cli(lt: Lt) -> Iterator[Any]:
     served = Served(lt.lt.app)
 
     def run(*args: str) -> Any:
-        return CliRunner().invoke(cli_app, ["--url", served.url, "--token", lt.token, *args])
+        return CliRunner().invoke(
+            cli_app, ["--url", served.url, "--token", lt.token, *args], env={"COLUMNS": "200"}
+        )
 
     yield run
     served.close()

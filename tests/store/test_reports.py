@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from alembic import command
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,6 +25,7 @@ from lowtide.domain.spec_render import render_step
 from lowtide.domain.states import AttemptState, StepState
 from lowtide.policy.outcomes import RetryPolicy, classify_exit
 from lowtide.store import ledger
+from lowtide.store.db import alembic_config
 from lowtide.store.repo import Store
 from lowtide.store.schema import attempts, gpu_ledger, steps
 
@@ -76,6 +78,7 @@ def add_attempt(
                 record={},
                 message=message,
                 lost_gpu_seconds=lost,
+                preempted=message.startswith("preempted") or "during preemption" in message,
             )
         )
 
@@ -234,6 +237,7 @@ def test_a_preemption_and_a_cancellation_written_by_the_store_are_told_apart(sto
     detail = {a.id: a for a in store.job_detail("job-1").attempts}
     assert (detail[first].state, detail[first].lost_gpu_seconds) == (AttemptState.INTERRUPTED, 620.0)
     assert (detail[second].state, detail[second].lost_gpu_seconds) == (AttemptState.INTERRUPTED, 420.0)
+    assert detail[first].preempted and not detail[second].preempted  # the decision, recorded
 
     r = store.usage_report(T0, clock.now(), group_by="job", tz="UTC")
     assert (r.totals.preemptions, r.totals.lost_gpu_seconds) == (1, 620.0)
@@ -294,3 +298,21 @@ def test_ledger_gpu_seconds_add_up_to_capacity_times_time(
     by_kind = store.gpu_seconds_by_holder(start, end)
     assert by_kind.get("attempt", 0.0) == t.research_gpu_seconds
     assert by_kind.get("replica", 0.0) == t.inference_gpu_seconds
+
+
+def test_migration_0004_marks_earlier_preemptions_from_their_messages(store: Store) -> None:
+    """Attempts that ended before the `preempted` column existed get it from the exit message,
+    the only record of it then; a downgrade and upgrade round-trip shows both directions work."""
+    add_job(store, "j1", "a", "nlp")
+    add_attempt(store, 1, "j1", 1, "INTERRUPTED", T0, H, "preempted (exit code 143); requeued")
+    add_attempt(store, 2, "j1", 2, "LOST", T0 + 1, H, "process lost during preemption; requeued")
+    add_attempt(store, 3, "j1", 3, "INTERRUPTED", T0 + 2, H, "cancelled (exit code 143)")
+    add_attempt(store, 4, "j1", 4, "FAILED", T0 + 3, H, "preempted (exit code 1) 3 times; failed")
+    cfg = alembic_config(store.engine.url.render_as_string(hide_password=False))
+    with store.engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, "0003")
+        assert "preempted" not in {c["name"] for c in sa.inspect(conn).get_columns("attempts")}
+        command.upgrade(cfg, "head")
+    flags = {a.id: a.preempted for a in store.job_detail("j1").attempts}
+    assert flags == {1: True, 2: True, 3: False, 4: False}

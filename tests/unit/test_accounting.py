@@ -7,7 +7,6 @@ exact float and the tests compare with `==`.
 
 from __future__ import annotations
 
-import itertools
 import math
 from datetime import date, datetime
 from pathlib import Path
@@ -20,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowtide.config import ConfigError, Settings, load_settings
-from lowtide.domain.states import AttemptState, StepState
+from lowtide.domain.states import AttemptState
 from lowtide.policy.accounting import (
     AccountingPolicy,
     EndedAttempt,
@@ -29,12 +28,10 @@ from lowtide.policy.accounting import (
     UsageReport,
     clip,
     equivalent_gpus,
-    is_preemption,
     local_days,
     savings,
     usage_report,
 )
-from lowtide.policy.outcomes import RetryPolicy, classify_exit, classify_launch_failure, classify_lost
 
 H = 3600.0
 BERLIN = ZoneInfo("Europe/Berlin")
@@ -62,10 +59,10 @@ def ended(
     team: str,
     at: float,
     lost: float,
-    message: str = "preempted (exit code 143); requeued",
+    preempted: bool = True,
     state: AttemptState = AttemptState.INTERRUPTED,
 ) -> EndedAttempt:
-    return EndedAttempt(attempt_id, job, f"name-{job}", team, state, message, at, lost)
+    return EndedAttempt(attempt_id, job, f"name-{job}", team, state, preempted, at, lost)
 
 
 def report(
@@ -86,65 +83,6 @@ def report(
         group_by=group_by,
         policy=AccountingPolicy(price_per_gpu_hour=price, currency="EUR", timezone=tz),
     )
-
-
-# -- telling preemption from cancellation ------------------------------------------------------
-
-
-def test_is_preemption_agrees_with_every_exit_decision_the_loop_can_make() -> None:
-    """The message the loop stores is how reports tell a preemption; it must mark exactly the
-    decisions that count one (`preempted=True`), in every branch of policy.outcomes."""
-    retry = RetryPolicy()
-    seen = {True: 0, False: 0}
-    for step_state, noticed, exit_code, sig, killed, (used, max_r), (pre, max_pre) in itertools.product(
-        [StepState.RUNNING, StepState.PREEMPTING, StepState.CANCELLING],
-        [True, False],
-        [0, 1, 143, None],
-        [None, 9],
-        [True, False],
-        [(0, 0), (0, 2), (2, 2)],
-        [(0, None), (1, 2), (2, 2)],
-    ):
-        d = classify_exit(
-            step_state=step_state,
-            noticed=noticed,
-            exit_code=exit_code,
-            signal=sig,
-            killed_at_deadline=killed,
-            retries_used=used,
-            max_retries=max_r,
-            now=0.0,
-            retry=retry,
-            preemptions=pre,
-            max_preemptions=max_pre,
-        )
-        assert is_preemption(d.attempt_state, d.message) == d.preempted, d
-        seen[d.preempted] += 1
-    for step_state in (StepState.RUNNING, StepState.PREEMPTING, StepState.CANCELLING):
-        d = classify_lost(step_state=step_state, retries_used=0)
-        assert is_preemption(d.attempt_state, d.message) == d.preempted, d
-        seen[d.preempted] += 1
-        for temporary in (True, False):
-            d = classify_launch_failure(
-                step_state=step_state,
-                message="preempted: not found",  # a launch message cannot make it a preemption
-                temporary=temporary,
-                retries_used=0,
-                max_retries=1,
-                now=0.0,
-                retry=retry,
-            )
-            assert is_preemption(d.attempt_state, d.message) == d.preempted, d
-    assert seen[True] > 0 and seen[False] > 0
-
-
-def test_only_interrupted_or_lost_attempts_can_be_preemptions() -> None:
-    assert is_preemption(INTERRUPTED, "preempted (exit code 1); requeued")
-    assert is_preemption(LOST, "process lost during preemption; requeued")
-    assert not is_preemption(INTERRUPTED, "cancelled (exit code 143)")
-    assert not is_preemption(LOST, "cancelled (process lost)")
-    assert not is_preemption(FAILED, "preempted (exit code 1); requeued")
-    assert not is_preemption(AttemptState.SUCCEEDED, "finished after notice (exit 0 means done)")
 
 
 # -- pieces ------------------------------------------------------------------------------------
@@ -201,9 +139,9 @@ LEDGER = [
 ]
 ENDS = [
     ended(1, "j1", "nlp", 6 * H, 2 * H),  # preempted: 2 GPU-h since its checkpoint
-    ended(3, "j1", "nlp", 7 * H, 1 * H, "process lost during preemption; requeued", AttemptState.LOST),
-    ended(4, "j2", "cv", 8 * H, 5 * H, "cancelled (exit code 143)"),  # cancelled: not a preemption
-    ended(5, "j2", "cv", 9 * H, 4 * H, "failed (exit code 1)", AttemptState.FAILED),
+    ended(3, "j1", "nlp", 7 * H, 1 * H, True, AttemptState.LOST),  # lost during its preemption
+    ended(4, "j2", "cv", 8 * H, 5 * H, False),  # cancelled: not a preemption
+    ended(5, "j2", "cv", 9 * H, 4 * H, False, AttemptState.FAILED),
     ended(6, "j2", "cv", 10 * H, 7 * H),  # ends at the period's end: outside [start, end)
 ]
 

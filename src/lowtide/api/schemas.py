@@ -20,7 +20,6 @@ from lowtide.control.records import (
     TokenRecord,
 )
 from lowtide.domain.gpus import Node
-from lowtide.policy.accounting import is_preemption
 
 
 class ErrorItem(BaseModel):
@@ -249,7 +248,7 @@ def attempt_out(a: AttemptRecord) -> AttemptOut:
         message=a.message,
         record=dict(a.record),
         lost_gpu_seconds=a.lost_gpu_seconds,
-        preempted=is_preemption(a.state, a.message),
+        preempted=a.preempted,
     )
 
 

@@ -107,6 +107,7 @@ class AttemptRecord:
     record: Mapping[str, Any]
     message: str
     lost_gpu_seconds: float | None = None
+    preempted: bool = False  # ended by a preemption (notice for GPUs, interrupted or lost)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,20 +16,17 @@ Definitions (all GPU quantities in GPU-seconds; the period is [start, end)):
   GPUs × period length only where the ledger covers the whole period (GPUs managed throughout).
 - lent = capacity − inference (idle or research: what inference did not hold); used = research.
 - lost to preemption: `lost_gpu_seconds` of the attempts that *ended* in the period and were
-  preempted (`is_preemption`), counted whole at their end (not clipped), on the day they ended.
+  preempted (their `preempted` flag), counted whole at their end (not clipped), on the day they
+  ended.
 - equivalent GPUs = GPU-seconds ÷ seconds in the period (for a day row: ÷ the seconds of that
   local day inside the period, so a 23-hour DST day divides by 23 h).
 - savings = research GPU-hours × price per GPU-hour.
 
-Telling preemption from cancellation: both end an attempt INTERRUPTED (or LOST). The loop stores
-the exit decision's message on the attempt (`policy.outcomes`: "preempted (...); requeued",
-"preempted (...) N times; max_preemptions is M", "process lost during preemption; requeued"
-versus "cancelled (...)"), and exactly the decisions with `preempted=True` — those that add one
-to the step's `preemptions` counter — carry such a message. `is_preemption` reads it; a unit test
-runs every branch of `classify_exit`/`classify_lost` and checks the two agree, so a reworded
-message fails a test instead of silently miscounting. (The attempt's `stop_reason`, "GPUs
-reclaimed" vs "job cancelled", is not used: a step preempted and then cancelled during its grace
-keeps "GPUs reclaimed" yet ends cancelled, and a step lost before its notice has none.)
+Telling preemption from cancellation: both end an attempt INTERRUPTED (or LOST). The store
+records the exit decision's `preempted` on the attempt (`policy.outcomes`; the same decisions add
+one to the step's `preemptions`), and that flag is what counts. (The attempt's `stop_reason`,
+"GPUs reclaimed" vs "job cancelled", is not used: a step preempted and then cancelled during its
+grace keeps "GPUs reclaimed" yet ends cancelled, and a step lost before its notice has none.)
 
 Local days: [midnight, next midnight) in the zone, via `zoneinfo` (a midnight inside a skipped
 hour moves to after the jump, an ambiguous one is its first occurrence).
@@ -54,8 +51,6 @@ GROUP_BY: tuple[GroupBy, ...] = ("job", "team", "day", "holder")
 IDLE, ATTEMPT, REPLICA = "idle", "attempt", "replica"
 KIND_NAMES = {IDLE: "idle", ATTEMPT: "research", REPLICA: "inference"}
 
-_PREEMPTION_MESSAGE_STARTS = ("preempted",)
-_PREEMPTION_MESSAGE_PARTS = ("during preemption",)
 _HOUR = 3600.0
 
 
@@ -90,7 +85,7 @@ class EndedAttempt:
     job_name: str | None
     team: str | None
     state: AttemptState
-    message: str
+    preempted: bool
     ended_at: float
     lost_gpu_seconds: float
 
@@ -154,15 +149,6 @@ class UsageReport:
 
 
 # -- small pieces -------------------------------------------------------------------------------
-
-
-def is_preemption(state: AttemptState, message: str) -> bool:
-    """Whether an ended attempt was preempted (see the module docstring for why the message)."""
-    if state not in (AttemptState.INTERRUPTED, AttemptState.LOST):
-        return False
-    return message.startswith(_PREEMPTION_MESSAGE_STARTS) or any(
-        p in message for p in _PREEMPTION_MESSAGE_PARTS
-    )
 
 
 def clip(started_at: float, ended_at: float | None, start: float, end: float) -> tuple[float, float] | None:
@@ -296,7 +282,7 @@ def usage_report(
             acc.parts[kind].append(hi - lo)
 
     for att in ended:
-        if not (start <= att.ended_at < end) or not is_preemption(att.state, att.message):
+        if not (start <= att.ended_at < end) or not att.preempted:
             continue
         total.lost.append(att.lost_gpu_seconds)
         total.preemptions += 1

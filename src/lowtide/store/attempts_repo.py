@@ -312,6 +312,7 @@ class AttemptsRepo(StoreBase):
                 signal=signal,
                 killed_at_deadline=killed_at_deadline,
                 message=decision.message,
+                preempted=decision.preempted,
             )
             step_id = conn.execute(
                 sa.select(attempts.c.step_id).where(attempts.c.id == ctx.attempt_id)

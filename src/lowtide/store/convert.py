@@ -103,4 +103,5 @@ def attempt_record(r: Row[Any]) -> AttemptRecord:
         record=r.record,
         message=r.message,
         lost_gpu_seconds=r.lost_gpu_seconds,
+        preempted=bool(r.preempted),
     )

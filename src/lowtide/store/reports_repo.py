@@ -64,7 +64,7 @@ class ReportsRepo(StoreBase):
                     attempts.c.id,
                     attempts.c.job_id,
                     attempts.c.state,
-                    attempts.c.message,
+                    attempts.c.preempted,
                     attempts.c.ended_at,
                     attempts.c.lost_gpu_seconds,
                     jobs.c.name.label("job_name"),
@@ -96,7 +96,7 @@ class ReportsRepo(StoreBase):
                 job_name=r.job_name,
                 team=r.team,
                 state=AttemptState(r.state),
-                message=r.message,
+                preempted=bool(r.preempted),
                 ended_at=r.ended_at,
                 lost_gpu_seconds=r.lost_gpu_seconds or 0.0,
             )

@@ -101,6 +101,8 @@ attempts = sa.Table(
     # GPU-seconds of work this attempt lost when it was stopped: from its last checkpoint (or its
     # start) to its end. Zero for attempts that finished; NULL while running.
     sa.Column("lost_gpu_seconds", sa.Float),
+    # The exit decision said "preempted" (counted on the step's `preemptions`): what reports count.
+    sa.Column("preempted", sa.Boolean, nullable=False, server_default=sa.false()),
     # Reproducibility record: resolved command, image, params, inputs and outputs of this attempt.
     sa.Column("record", sa.JSON, nullable=False),
     sa.Column("message", sa.Text, nullable=False, server_default=""),
