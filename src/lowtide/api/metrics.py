@@ -13,7 +13,14 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from lowtide.control.inference import InferenceController
 from lowtide.domain.gpus import Node
-from lowtide.domain.states import ACTIVE_STEP_STATES, QUEUED_STEP_STATES, JobState, ReplicaState, StepState
+from lowtide.domain.states import (
+    ACTIVE_STEP_STATES,
+    QUEUED_STEP_STATES,
+    JobState,
+    ReclaimState,
+    ReplicaState,
+    StepState,
+)
 from lowtide.store.repo import Store
 
 
@@ -51,8 +58,8 @@ def metrics_text(
         gpus.labels(kind).set(counts["gpus"].get(kind, 0))
     Gauge("lowtide_gpus_total", "GPUs managed by lowtide", registry=reg).set(sum(n.gpu_count for n in nodes))
     reclaims = Gauge("lowtide_reclaims", "Reclaims of lent GPUs by state (all time)", ["state"], registry=reg)
-    for reclaim_state in ("OPEN", "DONE", "ABANDONED"):
-        reclaims.labels(reclaim_state).set(counts["reclaims"].get(reclaim_state, 0))
+    for reclaim_state in ReclaimState:
+        reclaims.labels(reclaim_state.value).set(counts["reclaims"].get(reclaim_state.value, 0))
     preemptions, lost = store.preemption_totals()
     Gauge("lowtide_preemptions", "Step preemptions recorded (all time)", registry=reg).set(preemptions)
     Gauge("lowtide_lost_gpu_seconds", "GPU-seconds of work lost to preemptions (all time)", registry=reg).set(

@@ -15,11 +15,11 @@ from sqlalchemy import Connection
 
 from lowtide.control.records import NotFound, ReclaimRecord, ReplicaRecord, ServiceEventRecord, StaleState
 from lowtide.domain.gpus import GpuRef
-from lowtide.domain.states import GPU_HOLDING_REPLICA_STATES, RECLAIM_LIFECYCLE, ReclaimState, ReplicaState
+from lowtide.domain.states import GPU_HOLDING_REPLICA_STATES, ReclaimState, ReplicaState
 from lowtide.store import ledger
 from lowtide.store.base import StoreBase
 from lowtide.store.schema import meta, reclaims, replicas, service_events
-from lowtide.store.transitions import move_replica
+from lowtide.store.transitions import move_reclaim, move_replica
 
 
 def _record(r: Any) -> ReplicaRecord:
@@ -192,11 +192,11 @@ class ReplicasRepo(StoreBase):
         unknown = set(phases) - allowed
         if unknown:
             raise ValueError(f"unknown reclaim fields: {sorted(unknown)}")
-        if "state" in phases:
-            target = ReclaimState(phases["state"])
-            RECLAIM_LIFECYCLE.check(ReclaimState.OPEN, target)
-            phases["state"] = target.value
         with self._write() as conn:
+            if "state" in phases:
+                target = ReclaimState(phases.pop("state"))
+                move_reclaim(conn, reclaim_id, ReclaimState.OPEN, target, **phases)
+                return
             done = conn.execute(
                 sa.update(reclaims)
                 .where(reclaims.c.id == reclaim_id, reclaims.c.state == ReclaimState.OPEN.value)

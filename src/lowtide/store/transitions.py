@@ -18,14 +18,16 @@ from lowtide.control.records import StaleState
 from lowtide.domain.states import (
     ATTEMPT_LIFECYCLE,
     JOB_LIFECYCLE,
+    RECLAIM_LIFECYCLE,
     REPLICA_LIFECYCLE,
     STEP_LIFECYCLE,
     AttemptState,
     JobState,
+    ReclaimState,
     ReplicaState,
     StepState,
 )
-from lowtide.store.schema import attempts, jobs, replicas, steps
+from lowtide.store.schema import attempts, jobs, reclaims, replicas, steps
 
 
 def move_job(conn: Connection, job_id: str, expected: JobState, target: JobState, **values: Any) -> None:
@@ -97,3 +99,16 @@ def move_replica(
     )
     if result.rowcount != 1:
         raise StaleState(f"replica {replica_id}: expected {expected}, cannot move to {target}")
+
+
+def move_reclaim(
+    conn: Connection, reclaim_id: int, expected: ReclaimState, target: ReclaimState, **values: Any
+) -> None:
+    RECLAIM_LIFECYCLE.check(expected, target)
+    result = conn.execute(
+        sa.update(reclaims)
+        .where(reclaims.c.id == reclaim_id, reclaims.c.state == expected.value)
+        .values(state=target.value, **values)
+    )
+    if result.rowcount != 1:
+        raise StaleState(f"reclaim {reclaim_id}: expected {expected}, cannot move to {target}")
