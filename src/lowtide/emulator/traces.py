@@ -269,10 +269,13 @@ def _float(text: str, where: str, what: str) -> float:
     return value
 
 
-def _check_ascending(starts: list[float], where: str) -> None:
+def _check_ascending(starts: list[float], lines: list[int], path: Path) -> None:
+    """ValueError at the first line whose window start does not exceed the previous one."""
     for i in range(1, len(starts)):
         if starts[i] <= starts[i - 1]:
-            raise ValueError(f"{where}: window starts must increase ({starts[i - 1]:g} then {starts[i]:g})")
+            raise ValueError(
+                f"{path}:{lines[i]}: window starts must increase ({starts[i - 1]:g} then {starts[i]:g})"
+            )
 
 
 def _sizes(starts: list[float]) -> list[float]:
@@ -285,6 +288,7 @@ def _sizes(starts: list[float]) -> list[float]:
 def read_servegen_client(path: Path) -> list[RateWindow]:
     """Parse one ServeGen ``chunk-<client>-trace.csv``; ValueError names the file and line."""
     rows: list[tuple[float, float, float, str, float, float]] = []
+    lines: list[int] = []
     with path.open(newline="") as handle:
         for lineno, fields in enumerate(csv.reader(handle), start=1):
             where = f"{path}:{lineno}"
@@ -302,8 +306,11 @@ def read_servegen_client(path: Path) -> list[RateWindow]:
             if pattern and not (p1 > 0 and p2 > 0):
                 raise ValueError(f"{where}: {pattern} needs shape p1 > 0 and scale p2 > 0")
             rows.append((start, rate, cv, pattern, p1, p2))
+            lines.append(lineno)
+    if not rows:
+        raise ValueError(f"{path}: no windows (empty file)")
     starts = [r[0] for r in rows]
-    _check_ascending(starts, str(path))
+    _check_ascending(starts, lines, path)
     return [
         RateWindow(start, size, rate, cv, pattern, p1, p2)
         for (start, rate, cv, pattern, p1, p2), size in zip(rows, _sizes(starts), strict=True)
@@ -354,20 +361,25 @@ def read_servegen_aggregate(path: Path) -> list[RateWindow]:
     """
     starts: list[float] = []
     rates: list[float] = []
+    lines: list[int] = []
     with path.open(newline="") as handle:
         reader = csv.DictReader(handle)
         header = reader.fieldnames or []
         for column in ("window_start_s", "total_rate_rps"):
             if column not in header:
                 raise ValueError(f"{path}:1: missing column {column!r} (have: {', '.join(header)})")
-        for lineno, row in enumerate(reader, start=2):
+        for row in reader:
+            lineno = reader.line_num  # physical line: DictReader skips blank lines
             where = f"{path}:{lineno}"
             starts.append(_float(row["window_start_s"] or "", where, "window_start_s"))
             rate = _float(row["total_rate_rps"] or "", where, "total_rate_rps")
             if rate < 0:
                 raise ValueError(f"{where}: total_rate_rps must be >= 0")
             rates.append(rate)
-    _check_ascending(starts, str(path))
+            lines.append(lineno)
+    if not starts:
+        raise ValueError(f"{path}: no windows (a header but no rows)")
+    _check_ascending(starts, lines, path)
     return [
         RateWindow(start, size, rate, 0.0, "", 0.0, 0.0)
         for start, size, rate in zip(starts, _sizes(starts), rates, strict=True)
@@ -417,9 +429,16 @@ def read_azure_csv(path: Path) -> list[tuple[float, int, int]]:
                 raise ValueError(f"{where}: expected 3 fields, got {len(fields)}")
             try:
                 stamp = datetime.fromisoformat(fields[0].strip())
-                prompt, output = int(fields[1]), int(fields[2])
             except ValueError as exc:
                 raise ValueError(f"{where}: {exc}") from None
+            try:
+                prompt = int(fields[1])
+            except ValueError:
+                raise ValueError(f"{where}: ContextTokens is not an integer: {fields[1]!r}") from None
+            try:
+                output = int(fields[2])
+            except ValueError:
+                raise ValueError(f"{where}: GeneratedTokens is not an integer: {fields[2]!r}") from None
             if prompt < 0 or output < 0:
                 raise ValueError(f"{where}: token counts must be >= 0")
             first = stamp if first is None else first

@@ -1,0 +1,1 @@
+"""The simulator: the production control loop on a virtual clock with fake ports."""
