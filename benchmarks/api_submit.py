@@ -20,7 +20,7 @@ afterwards; if the server is unreachable the backend is skipped with a note.
 Run:  .venv/bin/python benchmarks/api_submit.py [--jobs 2000] [--concurrency 8]
           [--backends sqlite,postgresql] [--pg-url postgresql+psycopg://postgres@127.0.0.1:5432/test]
 Writes benchmarks/results/api_submit.json (machine, parameters, figures).
-Not a test: nothing here asserts a time (DESIGN.md §7).
+Not a test: nothing here asserts a time (docs/architecture.md §10).
 """
 
 from __future__ import annotations

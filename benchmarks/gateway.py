@@ -28,7 +28,7 @@ would carry (1000 / gateway CPU ms per request).
 Run:  .venv/bin/python benchmarks/gateway.py [--rate 100] [--duration 20] [--no-ramp]
           [--ramp-rates 200,400,...] [--step-seconds 5] [--backends 1]
 Writes benchmarks/results/gateway.json (machine, parameters, figures).
-Not a test: nothing here asserts a time (DESIGN.md §7).
+Not a test: nothing here asserts a time (docs/architecture.md §10).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Step and replica processes outlive the control plane by design, so a benchmark t
 `lowtide up` marks it with an environment variable (`MARKER_ENV`), which every process it starts
 inherits, and afterwards kills and lists what still carries the marker. Imported by the scripts
 in this folder (run as `python benchmarks/NAME.py`, so this folder is on `sys.path`).
-Must not: assert anything about time (benchmarks print and write figures; DESIGN.md §7).
+Must not: assert anything about time (benchmarks print and write figures; docs/architecture.md §10).
 """
 
 from __future__ import annotations

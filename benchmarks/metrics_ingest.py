@@ -20,7 +20,7 @@ texts (what reading everything would cost).
 
 Run:  .venv/bin/python benchmarks/metrics_ingest.py [--ticks 30] [--replicas 200] [--profile]
 Prints min / median / p95 ms per tick and writes them, with the machine, as JSON to
-benchmarks/results/metrics_ingest.json. Not a test: nothing here asserts a time (DESIGN.md §7).
+benchmarks/results/metrics_ingest.json. Not a test: nothing here asserts a time (docs/architecture.md §10).
 """
 
 from __future__ import annotations

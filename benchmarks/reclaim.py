@@ -29,7 +29,7 @@ this run's marker variable (step shims and trainers, which outlive the control p
 replica shims if any survived) is killed by process group, and the run fails if one is left.
 
 Run:  .venv/bin/python benchmarks/reclaim.py [--surges 50] [--park stop,sleep]
-Writes benchmarks/results/reclaim.json. Not a test: nothing here asserts a time (DESIGN.md §7).
+Writes benchmarks/results/reclaim.json. Not a test: nothing here asserts a time (docs/architecture.md §10).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ submit times, some in retry backoff and some requeued after preemption.
 
 Run:  .venv/bin/python benchmarks/scheduler.py [--runs 30] [--warmup 3] [--profile]
 Prints min / median / p95 milliseconds per tick and writes them, with the machine, as JSON.
-Not a test: nothing here asserts a time (DESIGN.md §7).
+Not a test: nothing here asserts a time (docs/architecture.md §10).
 """
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ CHECKPOINTS_ON_SIGTERM = """
         ckpt.mkdir(parents=True, exist_ok=True)
         notice = pathlib.Path(os.environ["LOWTIDE_NOTICE_FILE"])
         (ckpt / "LATEST").write_text(notice.read_text())
-        sys.exit(3)  # non-zero: interrupted, not done (DESIGN §5)
+        sys.exit(3)  # non-zero: interrupted, not done (docs/architecture.md §6.2)
     signal.signal(signal.SIGTERM, on_term)
     pathlib.Path("ready").touch()
     while True:

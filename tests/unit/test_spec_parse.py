@@ -1,4 +1,4 @@
-"""Job spec parsing, validation, rendering and DAG helpers (domain.spec_parse, DESIGN §5).
+"""Job spec parsing, validation, rendering and DAG helpers (domain.spec_parse, docs/architecture.md §6.1).
 
 The table of broken specs lives in tests/fixtures/specs/bad: each file says, in `# expect:`
 lines, exactly which located errors it must produce. tests/fixtures/specs/good must all build.

@@ -1,4 +1,4 @@
-"""vLLM `/metrics` text → one `ReplicaScrape` (DESIGN §3 "observe"; issue 3, item 1).
+"""vLLM `/metrics` text → one `ReplicaScrape` (docs/architecture.md §4.2 "observe"; issue 3, item 1).
 
 Role: read a replica's Prometheus text exposition with prometheus_client's parser
 (`text_string_to_metric_families`) and normalise what lowtide needs into a `ReplicaScrape`:

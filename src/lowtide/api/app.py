@@ -56,7 +56,7 @@ MAX_ID = 2**31 - 1
 _SPEC_BODY = {
     "requestBody": {
         "required": True,
-        "description": "A job spec (DESIGN §5) as YAML or JSON, at most 1 MiB.",
+        "description": "A job spec (docs/architecture.md §6.1) as YAML or JSON, at most 1 MiB.",
         "content": {
             "application/yaml": {"schema": {"type": "string"}},
             "application/json": {"schema": {"type": "object"}},
@@ -448,6 +448,42 @@ def create_app(ctx: ApiContext) -> FastAPI:
         require_people(who)
         return reports_api.usage_report(
             ctx.store, ctx.accounting, now=ctx.clock.now(), start=start, end=end, group_by=group_by, tz=tz
+        )
+
+    @v1.get(
+        "/reports/monthly",
+        response_model=reports_api.MonthlyReportOut,
+        summary="A month of research on lent GPUs against the month before, in total and per team",
+    )
+    def monthly_report(
+        who: Who,
+        month: Annotated[str, Query(max_length=16, description="YYYY-MM")],
+        tz: Annotated[
+            str | None, Query(max_length=64, description="IANA time zone of the month's midnights")
+        ] = None,
+        price: Annotated[
+            float | None,
+            Query(
+                ge=0,
+                le=reports_api.MAX_PRICE,
+                allow_inf_nan=False,
+                description="price per GPU-hour (default: configured)",
+            ),
+        ] = None,
+        currency: Annotated[
+            str | None,
+            Query(pattern=reports_api.CURRENCY_PATTERN, description="ISO 4217 code (default: configured)"),
+        ] = None,
+    ) -> reports_api.MonthlyReportOut:
+        require_people(who)
+        return reports_api.monthly_report(
+            ctx.store,
+            ctx.accounting,
+            now=ctx.clock.now(),
+            month=month,
+            tz=tz,
+            price=price,
+            currency=currency,
         )
 
     # -- end of reports ------------------------------------------------------------------------

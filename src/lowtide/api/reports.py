@@ -1,12 +1,17 @@
-"""Usage reports over HTTP: `GET /v1/reports/usage` — the period, its reading and its JSON shape.
+"""Usage reports over HTTP: `GET /v1/reports/usage` and `GET /v1/reports/monthly` — the period,
+its reading and the JSON shapes.
 
 `resolve_period` turns the query's `start`, `end` and `tz` into a period (epoch seconds, ISO-8601,
 or a duration before now such as ``24h``/``7d``; defaults: the last 24 hours; a time without an
 offset is local time in `tz`; an `end` after now is read as now: the ledger does not know the
-future), refusing bad values with located 422s; `usage_out` shapes a `UsageReport`. The route
-itself is in `app.create_app` (it needs the app's auth dependency), one call into here.
-Neighbours: `store.reports_repo` (the figures), `policy.accounting` (their definitions),
-`cli.report_cmd` (prints this). Must not: compute figures (policy does) or write anything.
+future), refusing bad values with located 422s; `usage_out` shapes a `UsageReport`.
+`monthly_report` reads a month and the month before it (`YYYY-MM`, local midnights in `tz`; a month
+in progress ends now, a month not yet begun is refused) as four store usage reports, by team and
+by job for each month, and hands them to `policy.monthly.monthly_report`; `monthly_out` shapes it.
+The routes themselves are in `app.create_app` (they need the app's auth dependency), one call
+into here each. Neighbours: `store.reports_repo` (the figures), `policy.accounting` and
+`policy.monthly` (their definitions), `cli.report_cmd` (prints these). Must not: compute figures
+(policy does) or write anything.
 """
 
 from __future__ import annotations
@@ -26,6 +31,16 @@ from lowtide.policy.accounting import (
     UsageRow,
     time_zone,
 )
+from lowtide.policy.monthly import (
+    MonthlyReport,
+    MonthlyRow,
+    jobs_by_team,
+    month_bounds,
+    month_label,
+    parse_month,
+    previous_month,
+)
+from lowtide.policy.monthly import monthly_report as build_monthly
 from lowtide.store.repo import Store
 
 DEFAULT_PERIOD_S = 86400.0
@@ -36,6 +51,10 @@ MAX_TIME = 253402300799.0
 _RELATIVE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
 _UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 TIME_HELP = "epoch seconds, ISO-8601 (no offset: local time in tz) or a duration before now (24h, 7d)"
+#: The highest price per GPU-hour a monthly report takes (any real price is far below; the cap
+#: keeps savings finite, which JSON needs).
+MAX_PRICE = 1e12
+CURRENCY_PATTERN = "^[A-Z]{3}$"
 
 
 class UsageRowOut(BaseModel):
@@ -221,3 +240,150 @@ def _row_out(row: UsageRow) -> UsageRowOut:
 
 def _iso(ts: float, zone: ZoneInfo) -> str:
     return datetime.fromtimestamp(ts, UTC).astimezone(zone).isoformat(timespec="seconds")
+
+
+# -- the monthly report -------------------------------------------------------------------------
+
+
+class MonthlyRowOut(BaseModel):
+    key: str = Field(description="the team, '?' for work of no team, or 'total'")
+    team: str | None
+    jobs_run: int = Field(description="distinct jobs whose steps held GPUs in the month")
+    previous_jobs_run: int
+    research_gpu_hours: float = Field(description="GPU-hours held by step attempts in the month")
+    previous_research_gpu_hours: float
+    change_gpu_hours: float = Field(description="research GPU-hours − the previous month's")
+    change_pct: float | None = Field(
+        description="change ÷ the previous month's research GPU-hours × 100; null when that was 0"
+    )
+    equivalent_gpus: float = Field(description="research GPU-seconds ÷ seconds in the month")
+    savings: float = Field(description="research GPU-hours × price per GPU-hour")
+    preemptions: int
+    lost_gpu_hours: float = Field(description="work lost to preemption (since the last checkpoint)")
+
+
+class MonthlyReportOut(BaseModel):
+    month: str = Field(description="YYYY-MM")
+    previous_month: str
+    timezone: str = Field(description="the IANA zone whose local midnights bound the months")
+    start: float
+    end: float = Field(description="the month's end, or now while the month is in progress")
+    start_local: str
+    end_local: str
+    hours: float
+    complete: bool = Field(description="false while the month is in progress (figures so far)")
+    previous_start: float
+    previous_end: float
+    price_per_gpu_hour: float
+    currency: str
+    capacity_gpu_hours: float = Field(description="every ledger GPU-hour of the month")
+    lent_gpu_hours: float = Field(description="capacity − inference: what inference did not hold")
+    lent_gpus: float
+    total: MonthlyRowOut
+    teams: list[MonthlyRowOut]
+
+
+def resolve_month(
+    month: str, tz: str | None, *, now: float, policy: AccountingPolicy
+) -> tuple[tuple[int, int], tuple[float, float], str]:
+    """((year, month), (start, end) with the end cut at now, time zone) of a monthly request;
+    ApiError 422 naming every bad field."""
+    issues: list[tuple[str, str]] = []
+    zone_name = policy.timezone if tz is None else tz
+    zone: ZoneInfo | None = None
+    try:
+        zone = time_zone(zone_name)
+    except ValueError as exc:
+        issues.append(("query.tz", str(exc)))
+    ym: tuple[int, int] | None = None
+    try:
+        ym = parse_month(month)
+    except ValueError as exc:
+        issues.append(("query.month", str(exc)))
+    bounds: tuple[float, float] | None = None
+    if zone is not None and ym is not None:
+        bounds = month_bounds(*ym, zone)
+        if bounds[0] >= now:
+            issues.append(("query.month", f"{month_label(*ym)} has not begun yet in {zone_name}"))
+    if issues:
+        raise ApiError(422, "invalid_request", "the monthly report request is not valid", issues)
+    assert ym is not None and bounds is not None
+    return ym, (bounds[0], min(bounds[1], now)), zone_name
+
+
+def monthly_report(
+    store: Store,
+    policy: AccountingPolicy,
+    *,
+    now: float,
+    month: str,
+    tz: str | None,
+    price: float | None,
+    currency: str | None,
+) -> MonthlyReportOut:
+    """The body of `GET /v1/reports/monthly` (price and currency already checked by the route;
+    defaults: the configured ones)."""
+    (year, mon), (start, end), zone_name = resolve_month(month, tz, now=now, policy=policy)
+    zone = time_zone(zone_name)
+    prev = previous_month(year, mon)
+    prev_start, prev_end = month_bounds(*prev, zone)
+    month_end = month_bounds(year, mon, zone)[1]
+    price_h = policy.price_per_gpu_hour if price is None else price
+    cur = policy.currency if currency is None else currency
+
+    def usage(a: float, b: float, group_by: GroupBy) -> UsageReport:
+        return store.usage_report(
+            a, b, group_by=group_by, tz=zone_name, price_per_gpu_hour=price_h, currency=cur
+        )
+
+    report = build_monthly(
+        month=month_label(year, mon),
+        previous_month=month_label(*prev),
+        current=usage(start, end, "team"),
+        previous=usage(prev_start, prev_end, "team"),
+        current_jobs=jobs_by_team(usage(start, end, "job")),
+        previous_jobs=jobs_by_team(usage(prev_start, prev_end, "job")),
+        complete=month_end <= now,
+    )
+    return monthly_out(report)
+
+
+def monthly_out(r: MonthlyReport) -> MonthlyReportOut:
+    zone = time_zone(r.timezone)
+    return MonthlyReportOut(
+        month=r.month,
+        previous_month=r.previous_month,
+        timezone=r.timezone,
+        start=r.start,
+        end=r.end,
+        start_local=_iso(r.start, zone),
+        end_local=_iso(r.end, zone),
+        hours=r.hours,
+        complete=r.complete,
+        previous_start=r.previous_start,
+        previous_end=r.previous_end,
+        price_per_gpu_hour=r.price_per_gpu_hour,
+        currency=r.currency,
+        capacity_gpu_hours=r.capacity_gpu_hours,
+        lent_gpu_hours=r.lent_gpu_hours,
+        lent_gpus=r.lent_gpus,
+        total=_monthly_row_out(r.total),
+        teams=[_monthly_row_out(t) for t in r.teams],
+    )
+
+
+def _monthly_row_out(row: MonthlyRow) -> MonthlyRowOut:
+    return MonthlyRowOut(
+        key=row.key,
+        team=row.team,
+        jobs_run=row.jobs_run,
+        previous_jobs_run=row.previous_jobs_run,
+        research_gpu_hours=row.research_gpu_hours,
+        previous_research_gpu_hours=row.previous_research_gpu_hours,
+        change_gpu_hours=row.change_gpu_hours,
+        change_pct=row.change_pct,
+        equivalent_gpus=row.equivalent_gpus,
+        savings=row.savings,
+        preemptions=row.preemptions,
+        lost_gpu_hours=row.lost_gpu_hours,
+    )

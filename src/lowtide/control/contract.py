@@ -1,4 +1,4 @@
-"""The step contract (DESIGN §5): the environment every attempt sees, computed once, here.
+"""The step contract (docs/architecture.md §6.2): the environment every attempt sees, computed once, here.
 
 Neighbours: the loop calls `step_environment` when it launches an attempt; executors pass the
 result through unchanged (containers by name). Must not: read the process environment, the clock

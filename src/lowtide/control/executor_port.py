@@ -32,7 +32,7 @@ class LaunchRequest:
     gpus: tuple[int, ...]
     command: tuple[str, ...]
     image: str | None
-    env: Mapping[str, str]  # the step contract (DESIGN §5), computed by control.contract
+    env: Mapping[str, str]  # the step contract (docs/architecture.md §6.2), computed by control.contract
     work_dir: str  # local directory: the process's cwd; its log, notice and exit status live here
     log_path: str  # local file receiving stdout and stderr
     notice_path: str  # local file written when notice is given (LOWTIDE_NOTICE_FILE)

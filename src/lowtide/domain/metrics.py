@@ -1,4 +1,4 @@
-"""What lowtide knows about an inference replica's load, as plain values (DESIGN §2 "load").
+"""What lowtide knows about an inference replica's load, as plain values (docs/architecture.md §2 "load").
 
 `ReplicaScrape` is one normalised reading of a replica's vLLM metrics (counters cumulative, as
 exposed); `ReplicaSignals` is what a window of readings says (rates, quantiles, staleness). A

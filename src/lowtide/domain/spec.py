@@ -1,4 +1,4 @@
-"""Job and step specifications as immutable values (DESIGN §5).
+"""Job and step specifications as immutable values (docs/architecture.md §6.1).
 
 These are what a validated job spec becomes; `spec_parse` builds them from YAML/JSON
 documents and `spec_render.render_step` resolves a step's templates for one job id.

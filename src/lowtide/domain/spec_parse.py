@@ -1,4 +1,4 @@
-"""Job spec validation and building: document -> `JobSpec` (DESIGN §5).
+"""Job spec validation and building: document -> `JobSpec` (docs/architecture.md §6.1).
 
 Role: the one place that decides whether a job document is valid, and says precisely where and
 why it is not. `build_job_spec` checks a document (expanding a `use: TEMPLATE` through a

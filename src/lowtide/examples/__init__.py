@@ -1,4 +1,4 @@
-"""Example steps that honour lowtide's step contract (DESIGN §5), runnable without GPUs:
+"""Example steps that honour lowtide's step contract (docs/architecture.md §6.2), runnable without GPUs:
 
 - ``python -m lowtide.examples.prep``: writes a deterministic synthetic data set;
 - ``python -m lowtide.examples.train``: a pure-Python trainer that checkpoints on SIGTERM,

@@ -1,6 +1,6 @@
 """What an attempt's end means for its step: success, retry with backoff, failure, or requeue.
 
-The contract (DESIGN §5): exit 0 means "done", never "interrupted". A non-zero exit of a step
+The contract (docs/architecture.md §6.2): exit 0 means "done", never "interrupted". A non-zero exit of a step
 that was not asked to stop is a failure: retried with exponential backoff while retries remain,
 FAILED after. A step that was asked to stop because its job was cancelled ends CANCELLED whatever
 its exit. A preempted step (given notice to return GPUs) that exits non-zero or is killed is

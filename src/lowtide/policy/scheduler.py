@@ -1,6 +1,6 @@
 """decide(): which queued steps start now, on which GPUs, and why the others wait.
 
-Role: the scheduling policy of the control loop (DESIGN.md §3, "decide"). It reads one immutable
+Role: the scheduling policy of the control loop (docs/architecture.md §4.1, "decide"). It reads one immutable
 `Snapshot` and returns a `SchedulePlan`; the actuator applies it. Neighbours: `policy.snapshot`
 (input), `policy.plan` (output), `policy.fairshare` (team order), `policy.placement` (which
 GPUs). Must not: do I/O, read the clock, sleep, draw random numbers or mutate the snapshot; the
