@@ -1,4 +1,10 @@
-"""Shared fixtures: stores on SQLite and on the real PostgreSQL server, a fake clock, service gates.
+"""Shared fixtures: stores on SQLite, on the real PostgreSQL server and in memory, a fake clock,
+service gates.
+
+`store_url`/`store` run a test on all three backends ("memory://" is `store.memory.MemoryStore`);
+`sql_store_url`/`sql_store` only on the SQL ones, for tests of SQL itself (migrations, raw rows);
+`new_store` makes fresh empty stores of the `store_url` backend (one per hypothesis example).
+`open_store(url)` opens either kind.
 
 Tests that need a service (PostgreSQL, a local S3 server, ...) call `require_service`; with
 ``LOWTIDE_REQUIRE_SERVICES=1`` (set by CI) a missing service fails the test instead of skipping.
@@ -10,13 +16,14 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
 from lowtide.control.clock import FakeClock
+from lowtide.store.memory import URL_SCHEME, MemoryStore
 from lowtide.store.repo import Store
 
 # The CLI's consoles read $COLUMNS when `lowtide.cli` is imported; pytest-xdist workers set it to
@@ -60,8 +67,13 @@ def _fresh_pg(url: str) -> None:
     engine.dispose()
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+SQL_BACKENDS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
+BACKENDS = [*SQL_BACKENDS, "memory"]
+
+
+def _url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "memory":
+        return URL_SCHEME
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'lowtide.db'}"
     url: str = request.getfixturevalue("pg_database_url")
@@ -69,9 +81,56 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return url
 
 
+def open_store(url: str) -> Store:
+    """A store at `url`: the SQL store, or a new, empty `MemoryStore` for "memory://" (typed as
+    `Store`: it has every public method of it, with the same signatures)."""
+    if url.startswith(URL_SCHEME):
+        return MemoryStore.open(url)  # type: ignore[return-value]
+    return Store.open(url)
+
+
+@pytest.fixture(params=BACKENDS)
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    return _url(request, tmp_path)
+
+
+@pytest.fixture(params=SQL_BACKENDS)
+def sql_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    return _url(request, tmp_path)
+
+
 @pytest.fixture
 def store(store_url: str) -> Iterator[Store]:
-    s = Store.open(store_url)
+    s = open_store(store_url)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def new_store(store_url: str, tmp_path: Path) -> Iterator[Callable[[], Store]]:
+    """A factory of new, empty stores of the `store_url` backend (for one per hypothesis example);
+    the stores it opened are closed at the end of the test."""
+    opened: list[Store] = []
+
+    def make() -> Store:
+        url = store_url
+        if url.startswith("sqlite"):
+            url = f"sqlite:///{tmp_path / f'lowtide-{len(opened)}.db'}"
+        elif not url.startswith(URL_SCHEME):
+            for s in opened:
+                s.close()
+            _fresh_pg(url)
+        opened.append(open_store(url))
+        return opened[-1]
+
+    yield make
+    for s in opened:
+        s.close()
+
+
+@pytest.fixture
+def sql_store(sql_store_url: str) -> Iterator[Store]:
+    s = Store.open(sql_store_url)
     yield s
     s.close()
 

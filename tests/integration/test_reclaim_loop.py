@@ -1,12 +1,17 @@
 """Lend, reclaim, resume — the story driven by the real control loop with a fake clock and fake
-ports (executor, service manager, metrics) on a real SQLite store: a load surge takes GPUs back
-from the research step that loses the least work, the replica serves within the bound, and the
-step resumes from its checkpoint when the load is gone."""
+ports (executor, service manager, metrics) on a real SQLite store and on the in-memory store: a
+load surge takes GPUs back from the research step that loses the least work, the replica serves
+within the bound, and the step resumes from its checkpoint when the load is gone. Every story
+runs on both stores, and both must leave exactly the same records behind."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from fakes import FakeExecutor, FakeMetrics, FakeServiceManager, MemoryArtifacts
 from lowtide.control.clock import FakeClock
@@ -19,6 +24,7 @@ from lowtide.domain.services import AutoscaleTargets, LendingPolicy, ServiceSpec
 from lowtide.domain.spec_parse import build_job_spec
 from lowtide.domain.spec_render import render_step
 from lowtide.policy.scheduler import SchedulerPolicy
+from lowtide.store.memory import MemoryStore
 from lowtide.store.repo import Store
 
 NODES = (Node("n1", (0, 1)), Node("n2", (0, 1)), Node("n3", (0, 1)))
@@ -46,10 +52,22 @@ SPEC = ServiceSpec(
 )
 
 
+BACKENDS = ("sqlite", "memory")
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 class World:
-    def __init__(self, root: Path, lending: LendingPolicy | None = None, start: float = T0) -> None:
+    def __init__(
+        self, root: Path, lending: LendingPolicy | None = None, start: float = T0, backend: str = "sqlite"
+    ) -> None:
         self.clock = FakeClock(start)
-        self.store = Store.open(f"sqlite:///{root / 'db.sqlite'}")
+        self.store: Any = (
+            Store.open(f"sqlite:///{root / 'db.sqlite'}") if backend == "sqlite" else MemoryStore()
+        )
         self.executor = FakeExecutor()
         self.manager = FakeServiceManager()
         self.metrics = FakeMetrics()
@@ -98,10 +116,8 @@ class World:
         return [a for a in self.store.job_detail(job_id).attempts][-1]
 
 
-def test_surge_preempts_the_cheapest_step_the_replica_serves_in_time_and_the_step_resumes(
-    tmp_path: Path,
-) -> None:
-    w = World(tmp_path)
+def surge_story(root: Path, backend: str) -> World:
+    w = World(root, backend=backend)
     w.tick(2)
     assert [r.state.value for r in w.store.replicas("chat")] == ["SERVING"]
     a = w.submit("often-checkpoints", gpus=2)
@@ -168,10 +184,11 @@ def test_surge_preempts_the_cheapest_step_the_replica_serves_in_time_and_the_ste
     w.tick(2)
     assert w.store.job(a).state.value == "SUCCEEDED"
     assert w.store.job_detail(b).steps[0].state.value == "RUNNING"  # never touched
+    return w
 
 
-def test_a_step_that_ignores_notice_is_killed_at_its_deadline_and_still_requeued(tmp_path: Path) -> None:
-    w = World(tmp_path)
+def stubborn_story(root: Path, backend: str) -> World:
+    w = World(root, backend=backend)
     w.tick(2)
     a = w.submit("stubborn", gpus=2)
     b = w.submit("other", gpus=2)
@@ -185,9 +202,10 @@ def test_a_step_that_ignores_notice_is_killed_at_its_deadline_and_still_requeued
     assert killed.lost_gpu_seconds and killed.lost_gpu_seconds > 0
     job = a if victim.job_id == a else b
     assert w.store.job_detail(job).steps[0].state.value == "PREEMPTED"
+    return w
 
 
-def test_window_mode_gets_every_lent_gpu_back_before_the_window_closes(tmp_path: Path) -> None:
+def window_story(root: Path, backend: str) -> World:
     lead = TICK + GRACE + WAKE
     close = T0 + 20 * 3600  # T0 is 12:00 UTC; the window is 20:00–08:00, so it closes at 08:00 next day
     lending = LendingPolicy(
@@ -198,7 +216,7 @@ def test_window_mode_gets_every_lent_gpu_back_before_the_window_closes(tmp_path:
         stale_after_s=30,
         stale_reclaim_after_s=120,
     )
-    w = World(tmp_path, lending, start=close - 600)  # 07:50: lending is open
+    w = World(root, lending, start=close - 600, backend=backend)  # 07:50: lending is open
     w.tick(2)
     polite = w.submit("polite", gpus=2)
     stubborn = w.submit("stubborn", gpus=2)
@@ -223,3 +241,58 @@ def test_window_mode_gets_every_lent_gpu_back_before_the_window_closes(tmp_path:
         j.steps[0].state.value == "PREEMPTED"
         for j in (w.store.job_detail(polite), w.store.job_detail(stubborn))
     )
+    return w
+
+
+def test_surge_preempts_the_cheapest_step_the_replica_serves_in_time_and_the_step_resumes(
+    tmp_path: Path, backend: str
+) -> None:
+    surge_story(tmp_path, backend)
+
+
+def test_a_step_that_ignores_notice_is_killed_at_its_deadline_and_still_requeued(
+    tmp_path: Path, backend: str
+) -> None:
+    stubborn_story(tmp_path, backend)
+
+
+def test_window_mode_gets_every_lent_gpu_back_before_the_window_closes(tmp_path: Path, backend: str) -> None:
+    window_story(tmp_path, backend)
+
+
+def digest(w: World) -> dict[str, Any]:
+    """Everything the store and the fakes recorded, as comparable values."""
+    store = w.store
+    now = w.clock.now()
+    return {
+        "jobs": [store.job_detail(j.id) for j in store.list_jobs(limit=1000)],
+        "replicas": store.replicas(),
+        "service_events": store.service_events("chat", limit=10_000),
+        "reclaims": store.reclaims(),
+        "holdings": store.holdings(),
+        "counts": store.counts(),
+        "preemptions": store.preemption_totals(),
+        "snapshot": store.snapshot(now=now, nodes=NODES, half_life_s=600.0),
+        "report": [store.usage_report(T0 - 86_400, now + 1, group_by=g) for g in ("job", "day", "holder")],
+        "by_holder": store.gpu_seconds_by_holder(T0 - 86_400, now + 1),
+        "notices": w.executor.notices,
+        # Step tokens are random: everything else a launch carries must match.
+        "launched": [
+            replace(r, env={k: v for k, v in r.env.items() if k != "LOWTIDE_STEP_TOKEN"})
+            for r in w.executor.launched
+        ],
+        "replicas_started": w.manager.started,
+        "plan": w.loop.last_plan,
+    }
+
+
+@pytest.mark.parametrize("story", [surge_story, stubborn_story, window_story], ids=lambda f: f.__name__)
+def test_the_loop_leaves_the_same_records_on_sqlite_and_in_memory(
+    tmp_path: Path, story: Callable[[Path, str], World]
+) -> None:
+    on_sqlite = digest(story(tmp_path / "sqlite", "sqlite"))
+    in_memory = digest(story(tmp_path / "memory", "memory"))
+    assert on_sqlite.keys() == in_memory.keys()
+    for key, value in on_sqlite.items():
+        assert value == in_memory[key], key
+    assert on_sqlite["jobs"] and on_sqlite["reclaims"]

@@ -1,13 +1,18 @@
-"""Store.usage_report against SQLite and the real PostgreSQL server: a hand-built ledger read back
-exactly, a preemption and a cancellation written by the store's own functions, and the add-up
-property over random hold/release sequences.
+"""Store.usage_report against SQLite, the real PostgreSQL server and memory: a hand-built ledger
+read back exactly, a preemption and a cancellation written by the store's own functions, and the
+add-up property over random hold/release sequences.
 
+The hand-built ledger (rows and attempts written as raw SQL, with lost work no API call would
+produce) and the ledger-module property run on the SQL backends only (`sql_store`); the add-up
+property is checked again on every backend through the public API (attempts and replicas booked
+and released by the store's own calls).
 Times are whole seconds (hours in the hand-built ledger), so GPU-second figures compare with `==`.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -22,7 +27,7 @@ from lowtide.domain.gpus import GpuRef, Node
 from lowtide.domain.layout import ArtifactLayout
 from lowtide.domain.spec_parse import build_job_spec
 from lowtide.domain.spec_render import render_step
-from lowtide.domain.states import AttemptState, StepState
+from lowtide.domain.states import AttemptState, ReplicaState, StepState
 from lowtide.policy.outcomes import RetryPolicy, classify_exit
 from lowtide.store import ledger
 from lowtide.store.db import alembic_config
@@ -114,7 +119,8 @@ def build_ledger(store: Store) -> None:
     add_attempt(store, 7, "j2", 4, "INTERRUPTED", T0 - 1, 7 * H, "preempted (exit code 1); requeued")
 
 
-def test_a_hand_built_ledger_reads_back_exactly(store: Store) -> None:
+def test_a_hand_built_ledger_reads_back_exactly(sql_store: Store) -> None:
+    store = sql_store
     build_ledger(store)
     r = store.usage_report(T0, T0 + 10 * H, group_by="job", tz="UTC", price_per_gpu_hour=2.5, currency="EUR")
     t = r.totals
@@ -152,7 +158,8 @@ def test_a_hand_built_ledger_reads_back_exactly(store: Store) -> None:
     }
 
 
-def test_open_rows_count_up_to_the_end_of_the_period_and_days_follow_the_zone(store: Store) -> None:
+def test_open_rows_count_up_to_the_end_of_the_period_and_days_follow_the_zone(sql_store: Store) -> None:
+    store = sql_store
     build_ledger(store)
     # Up to T0 + 20 h: the open idle rows run to the end; attempt 2 ended at 13 h.
     t = store.usage_report(T0, T0 + 20 * H, group_by="job", tz="UTC").totals
@@ -264,8 +271,9 @@ operations = st.lists(
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=operations, start_off=st.integers(-2 * H, 30 * H), length=st.integers(1, 40 * H))
 def test_ledger_gpu_seconds_add_up_to_capacity_times_time(
-    store: Store, ops: list[tuple[int, str, int, int]], start_off: int, length: int
+    sql_store: Store, ops: list[tuple[int, str, int, int]], start_off: int, length: int
 ) -> None:
+    store = sql_store
     with store.engine.begin() as conn:
         conn.execute(sa.delete(gpu_ledger))
         ledger.ensure_gpus(conn, GPUS, T0)
@@ -300,9 +308,11 @@ def test_ledger_gpu_seconds_add_up_to_capacity_times_time(
     assert by_kind.get("replica", 0.0) == t.inference_gpu_seconds
 
 
-def test_migration_0004_marks_earlier_preemptions_from_their_messages(store: Store) -> None:
+def test_migration_0004_marks_earlier_preemptions_from_their_messages(sql_store: Store) -> None:
     """Attempts that ended before the `preempted` column existed get it from the exit message,
-    the only record of it then; a downgrade and upgrade round-trip shows both directions work."""
+    the only record of it then; a downgrade and upgrade round-trip shows both directions work.
+    SQL only: a migration."""
+    store = sql_store
     add_job(store, "j1", "a", "nlp")
     add_attempt(store, 1, "j1", 1, "INTERRUPTED", T0, H, "preempted (exit code 143); requeued")
     add_attempt(store, 2, "j1", 2, "LOST", T0 + 1, H, "process lost during preemption; requeued")
@@ -316,3 +326,103 @@ def test_migration_0004_marks_earlier_preemptions_from_their_messages(store: Sto
         command.upgrade(cfg, "head")
     flags = {a.id: a.preempted for a in store.job_detail("j1").attempts}
     assert flags == {1: True, 2: True, 3: False, 4: False}
+
+
+api_operations = st.lists(
+    st.tuples(
+        st.integers(1, 4 * H),  # time since the previous operation
+        st.sampled_from(["hold-attempt", "hold-replica", "release"]),
+        st.integers(0, 2),  # which GPU
+        st.integers(1, 3),  # which holder
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=api_operations, start_off=st.integers(-2 * H, 30 * H), length=st.integers(1, 40 * H))
+def test_gpu_seconds_booked_through_the_api_add_up_to_capacity_times_time(
+    new_store: Callable[[], Store], ops: list[tuple[int, str, int, int]], start_off: int, length: int
+) -> None:
+    """Every backend: attempts and replicas take and give back GPUs through the store's own calls
+    (a busy GPU fails the call and changes nothing); the ledger still adds up."""
+    store = new_store()
+    nodes = (Node("n1", (0, 1, 2)),)
+    store.ensure_gpus(nodes, T0)
+    now = T0
+    attempt_of: dict[int, int] = {}
+    jobs = 0
+    for gap, op, gpu, holder in ops:
+        now += gap
+        replica_id = f"r/{holder}"
+        try:
+            replica: Any = store.replica(replica_id)
+        except KeyError:
+            replica = None
+        replica_holds = replica is not None and replica.state == ReplicaState.STARTING
+        if op == "release":
+            if holder in attempt_of:
+                ctx = store.exit_context(attempt_of.pop(holder))
+                decision = classify_exit(
+                    step_state=ctx.step_state,
+                    exit_code=0,
+                    signal=None,
+                    killed_at_deadline=False,
+                    retries_used=0,
+                    max_retries=0,
+                    now=now,
+                    retry=RetryPolicy(),
+                )
+                store.finish_attempt(
+                    ctx,
+                    decision,
+                    ended_at=now,
+                    exit_code=0,
+                    signal=None,
+                    killed_at_deadline=False,
+                    half_life_s=H,
+                )
+            if replica_holds:
+                store.move_replica(
+                    replica_id, ReplicaState.STARTING, ReplicaState.FAILED, now=now, message="x"
+                )
+        elif op == "hold-attempt" and holder not in attempt_of:
+            jobs += 1
+            add_job(store, f"job-{jobs}", "j", "nlp", gpus=1)
+            with contextlib.suppress(GpuBusy):
+                launch = store.begin_attempt(
+                    job_id=f"job-{jobs}",
+                    step="train",
+                    node="n1",
+                    gpus=(gpu,),
+                    layout=LAYOUT,
+                    now=now,
+                    reason="",
+                )
+                attempt_of[holder] = launch.attempt_id
+        elif op == "hold-replica" and not replica_holds:
+            with contextlib.suppress(GpuBusy):
+                store.begin_replica(
+                    replica_id=replica_id,
+                    service="r",
+                    slot=holder,
+                    port=9000 + holder,
+                    node="n1",
+                    gpus=(gpu,),
+                    wake=False,
+                    now=now,
+                    reason="",
+                )
+    held = [h for h in store.holdings() if h.holder_kind != "idle"]
+    assert len(held) == len(attempt_of) + sum(r.state == ReplicaState.STARTING for r in store.replicas())
+    start, end = float(T0 + start_off), float(T0 + start_off + length)
+    for group_by in ("holder", "day"):
+        r = store.usage_report(start, end, group_by=group_by, tz="Europe/Berlin")  # type: ignore[arg-type]
+        t = r.totals
+        covered = max(0.0, end - max(start, T0))
+        assert t.capacity_gpu_seconds == 3 * covered
+        assert t.idle_gpu_seconds + t.research_gpu_seconds + t.inference_gpu_seconds == t.capacity_gpu_seconds
+        assert sum(x.capacity_gpu_seconds for x in r.rows) == t.capacity_gpu_seconds
+    by_kind = store.gpu_seconds_by_holder(start, end)
+    assert by_kind.get("attempt", 0.0) == t.research_gpu_seconds
+    assert by_kind.get("replica", 0.0) == t.inference_gpu_seconds

@@ -2,7 +2,9 @@
 
 Role: turn a snapshot's running steps and decayed usage history into one number per team, the
 *dominant share*, that `policy.scheduler.decide` uses to order steps of the same priority class
-(lower share goes first). Neighbours: `policy.snapshot` (input), `policy.scheduler` (caller).
+(lower share goes first); and `fold_usage`, how a finished attempt adds to its team's history.
+Neighbours: `policy.snapshot` (input), `policy.scheduler` (caller), the stores (`fold_usage` when
+an attempt ends, `decay` when they build a snapshot).
 Must not: read the clock, the store or anything mutable outside its own ledger; time is `now`.
 
 Usage decays exponentially with half-life ``h``: a GPU-second used ``a`` seconds ago counts
@@ -56,6 +58,30 @@ def decay(value: float, since: float, now: float, half_life_s: float) -> float:
     """
     elapsed = max(0.0, now - since)
     return value * math.exp2(-elapsed / half_life_s)
+
+
+def fold_usage(
+    prior: tuple[float, float] | None,
+    *,
+    gpus: int,
+    start: float,
+    end: float,
+    now: float,
+    half_life_s: float,
+) -> tuple[float, float] | None:
+    """A team's usage accumulator after a finished attempt is added: ``(value, as_of=now)``.
+
+    `prior` is the accumulator as stored, ``(value, as_of)``, or None if the team has none yet:
+    it is decayed to `now` and the attempt's decayed integral over [start, end] is added. An
+    attempt that held no GPU adds nothing and creates no accumulator (None: leave it as it is).
+    """
+    if gpus <= 0:
+        return None
+    add = decayed_integral(gpus, start, end, now, half_life_s)
+    if prior is None:
+        return add, now
+    value, as_of = prior
+    return decay(value, as_of, now, half_life_s) + add, now
 
 
 def dominant_share(

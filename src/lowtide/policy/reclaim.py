@@ -12,7 +12,8 @@ the request (what-if evaluations run on it; everything working is a private copy
 
 Rules
 - Cost of stopping a step now (`victim_cost`), in GPU-seconds, with g = its GPU count:
-  lost work = g × (now − max(started_at, last_checkpoint_at or started_at)), never below 0;
+  lost work = g × (now − max(started_at, last_checkpoint_at or started_at)), never below 0
+  (`policy.attempt_rules.lost_work`, which the stores also record when an attempt ends);
   cost = lost work + g × restart_s.
 - A step within its `min_runtime_s` (now − started_at < min_runtime_s) is protected: never a
   victim, unless the need it would serve has `below_min` (its service is below min_replicas).
@@ -59,6 +60,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from lowtide.domain.gpus import GpuRef, Node
+from lowtide.policy.attempt_rules import lost_work
 
 #: Above this many candidate steps on one node, the cheapest set is found greedily.
 EXACT_SEARCH_MAX = 12
@@ -155,10 +157,10 @@ class ReclaimPlan:
 
 
 def victim_cost(v: RunningVictim, now: float) -> tuple[float, float]:
-    """(cost, lost work) of stopping `v` now, both in GPU-seconds."""
-    since = v.started_at if v.last_checkpoint_at is None else max(v.started_at, v.last_checkpoint_at)
+    """(cost, lost work) of stopping `v` now, both in GPU-seconds (`attempt_rules.lost_work`:
+    the same figure the store records when the attempt ends)."""
     n = len(v.gpus)
-    lost = n * max(0.0, now - since)
+    lost = lost_work(n, v.started_at, v.last_checkpoint_at, now)
     return lost + n * v.restart_s, lost
 
 

@@ -3,9 +3,12 @@
 A mixin over `base.StoreBase`, composed into `repo.Store`; `control.loop` calls it through
 `control.ports.StorePort`. State writes go through `transitions` (guarded), GPU bookings through
 `ledger`; finishing an attempt also folds its GPU time into the team's fair-share usage and revokes
-its step tokens. Neighbours: `jobs_repo` (the API side), `pool_repo`, `tokens_repo`.
-Must not: decide anything (retries, DAG progress and placement arrive as policy's decisions) or
-read the clock (every time is passed in).
+its step tokens. Every rule it applies (which checkpoint counts, lost work, notice grace, when a
+step is stopping, the usage fold, the attempt record, event texts) is a pure function of
+`policy.attempt_rules`, `policy.job_rules` or `policy.fairshare`, shared with `store.memory`.
+Neighbours: `jobs_repo` (the API side), `pool_repo`, `tokens_repo`.
+Must not: decide anything (retries, DAG progress and placement arrive as policy's decisions),
+compute a rule itself, or read the clock (every time is passed in).
 """
 
 from __future__ import annotations
@@ -36,17 +39,20 @@ from lowtide.domain.states import (
     JobState,
     StepState,
 )
+from lowtide.policy import attempt_rules as rules
 from lowtide.policy.dag import DagChanges, JobView, StepView
-from lowtide.policy.fairshare import decay, decayed_integral
+from lowtide.policy.fairshare import decay, fold_usage
+from lowtide.policy.job_rules import dag_job_event, dag_step_event
 from lowtide.policy.outcomes import ExitDecision
-from lowtide.policy.snapshot import QueuedStep, RunningStep, Snapshot
+from lowtide.policy.snapshot import Snapshot
 from lowtide.store import ledger
 from lowtide.store.base import StoreBase, insert_event
 from lowtide.store.convert import attempt_record, resolved_from_doc
 from lowtide.store.schema import attempts, checkpoints, jobs, steps, team_usage, tokens
 from lowtide.store.transitions import move_attempt, move_job, move_step
 
-_RUNNING_ATTEMPT = (AttemptState.RUNNING, AttemptState.STOPPING)
+_ACTIVE = [s.value for s in sorted(rules.ACTIVE_ATTEMPT_STATES)]
+_QUEUED = [s.value for s in sorted(QUEUED_STEP_STATES)]
 
 
 class AttemptsRepo(StoreBase):
@@ -67,7 +73,8 @@ class AttemptsRepo(StoreBase):
                     jobs.c.submitted_at,
                 )
                 .select_from(steps.join(jobs, jobs.c.id == steps.c.job_id))
-                .where(steps.c.state.in_([s.value for s in QUEUED_STEP_STATES]))
+                .where(steps.c.state.in_(_QUEUED))
+                .order_by(steps.c.id)
             ).all()
             running_rows = conn.execute(
                 sa.select(
@@ -90,42 +97,41 @@ class AttemptsRepo(StoreBase):
                         steps, steps.c.id == attempts.c.step_id
                     )
                 )
-                .where(attempts.c.state.in_([s.value for s in _RUNNING_ATTEMPT]))
+                .where(attempts.c.state.in_(_ACTIVE))
+                .order_by(attempts.c.id)
             ).all()
             usage_rows = conn.execute(sa.select(team_usage)).all()
         queued = tuple(
-            QueuedStep(
+            rules.queued_step(
                 job_id=r.job_id,
                 step=r.name,
+                step_index=r.idx,
+                state=StepState(r.state),
+                gpus=r.gpus,
+                eligible_at=r.eligible_at,
+                retries_used=r.retries_used,
+                max_retries=r.max_retries,
                 team=r.team,
                 priority=r.priority,
-                gpus=r.gpus,
                 submitted_at=r.submitted_at,
-                step_index=r.idx,
-                eligible_at=r.eligible_at,
-                preempted=r.state == StepState.PREEMPTED.value,
-                retry_note=(f"attempt {r.retries_used + 1} of {r.max_retries + 1}" if r.retries_used else ""),
             )
             for r in queued_rows
         )
         running = tuple(
-            RunningStep(
+            rules.running_step(
                 attempt_id=r.id,
+                attempt_state=AttemptState(r.state),
                 job_id=r.job_id,
                 step=r.step_name,
+                step_state=StepState(r.step_state),
                 team=r.team,
                 priority=r.priority,
                 node=r.node,
-                gpus=tuple(r.gpus),
+                gpus=r.gpus,
                 started_at=r.started_at,
-                last_checkpoint_at=(
-                    r.last_checkpoint_at
-                    if r.last_checkpoint_at is not None and r.last_checkpoint_at >= r.started_at
-                    else None
-                ),
+                last_checkpoint_at=r.last_checkpoint_at,
                 min_runtime=r.min_runtime,
                 restart_seconds=r.restart_seconds,
-                stopping=r.state == AttemptState.STOPPING.value or r.step_state != StepState.RUNNING.value,
             )
             for r in running_rows
         )
@@ -163,33 +169,26 @@ class AttemptsRepo(StoreBase):
             if row is None:
                 raise NotFound(f"step '{step}' of job '{job_id}' not found")
             job_state = JobState(row.job_state)
-            if job_state in TERMINAL_JOB_STATES:
+            if not rules.can_start(job_state):
                 raise StaleState(f"job {job_id} is {job_state}")
             state = StepState(row.state)
             move_step(conn, row.id, state, StepState.RUNNING, reason=reason, updated_at=now)
-            number = (
+            number = rules.next_attempt_number(
                 conn.execute(
-                    sa.select(sa.func.coalesce(sa.func.max(attempts.c.number), 0)).where(
-                        attempts.c.step_id == row.id
-                    )
-                ).scalar_one()
-                + 1
+                    sa.select(sa.func.max(attempts.c.number)).where(attempts.c.step_id == row.id)
+                ).scalar()
             )
             resolved = resolved_from_doc(row.resolved)
-            params = dict(row.spec.get("params") or {})
+            params = rules.launch_params(row.spec)
             work_dir = layout.attempt_dir(job_id, step, number)
-            record = {
-                "spec": row.spec,
-                "resolved": row.resolved,
-                "params": params,
-                "image": resolved.image,
-                "inputs": dict(resolved.inputs),
-                "outputs": resolved.outputs,
-                "checkpoint_dir": resolved.checkpoint_dir,
-                "resume_from": row.last_checkpoint,
-                "node": node,
-                "gpus": list(gpus),
-            }
+            record = rules.reproducibility_record(
+                spec=row.spec,
+                resolved_doc=row.resolved,
+                resolved=resolved,
+                last_checkpoint=row.last_checkpoint,
+                node=node,
+                gpus=gpus,
+            )
             attempt_id = conn.execute(
                 sa.insert(attempts)
                 .values(
@@ -216,11 +215,11 @@ class AttemptsRepo(StoreBase):
                 team=row.team,
                 now=now,
             )
-            if job_state == JobState.QUEUED:
-                move_job(conn, job_id, JobState.QUEUED, JobState.RUNNING, started_at=now)
-            where = f"{node} GPUs {','.join(map(str, gpus))}" if gpus else f"{node} (no GPUs)"
+            job_target = rules.job_state_on_start(job_state)
+            if job_target is not None:
+                move_job(conn, job_id, job_state, job_target, started_at=now)
             insert_event(
-                conn, job_id, step, attempt_id, now, "started", f"attempt {number} started on {where}"
+                conn, job_id, step, attempt_id, now, "started", rules.start_message(number, node, gpus)
             )
             return AttemptLaunch(
                 attempt_id=attempt_id,
@@ -248,9 +247,7 @@ class AttemptsRepo(StoreBase):
     def active_attempts(self) -> list[AttemptRecord]:
         with self._read() as conn:
             rows = conn.execute(
-                sa.select(attempts)
-                .where(attempts.c.state.in_([s.value for s in _RUNNING_ATTEMPT]))
-                .order_by(attempts.c.id)
+                sa.select(attempts).where(attempts.c.state.in_(_ACTIVE)).order_by(attempts.c.id)
             ).all()
         return [attempt_record(r) for r in rows]
 
@@ -324,8 +321,8 @@ class AttemptsRepo(StoreBase):
                 "updated_at": ended_at,
                 "stop_grace": None,
             }
-            if decision.preempted:
-                values["preemptions"] = steps.c.preemptions + 1
+            if increment := rules.preemption_increment(decision):
+                values["preemptions"] = steps.c.preemptions + increment
             move_step(conn, step_id, ctx.step_state, decision.step_state, **values)
             att = conn.execute(
                 sa.select(attempts.c.started_at, attempts.c.gpus, jobs.c.team, steps.c.last_checkpoint_at)
@@ -336,19 +333,14 @@ class AttemptsRepo(StoreBase):
                 )
                 .where(attempts.c.id == ctx.attempt_id)
             ).one()
-            # Work lost: from the attempt's last checkpoint (or its start) to its end; none if it finished.
-            lost = 0.0
-            if decision.attempt_state != AttemptState.SUCCEEDED:
-                since = att.started_at
-                if att.last_checkpoint_at is not None and att.last_checkpoint_at >= att.started_at:
-                    since = att.last_checkpoint_at
-                lost = len(att.gpus) * max(0.0, ended_at - since)
+            lost = rules.lost_work_at_exit(
+                decision.attempt_state, len(att.gpus), att.started_at, att.last_checkpoint_at, ended_at
+            )
             conn.execute(
                 sa.update(attempts).where(attempts.c.id == ctx.attempt_id).values(lost_gpu_seconds=lost)
             )
             ledger.release(conn, kind=ledger.ATTEMPT, holder_id=str(ctx.attempt_id), now=ended_at)
-            if att.gpus:
-                _fold_usage(conn, att.team, len(att.gpus), att.started_at, ended_at, ended_at, half_life_s)
+            _fold_usage(conn, att.team, len(att.gpus), att.started_at, ended_at, half_life_s)
             conn.execute(
                 sa.update(tokens)
                 .where(tokens.c.attempt_id == ctx.attempt_id, tokens.c.revoked_at.is_(None))
@@ -360,7 +352,7 @@ class AttemptsRepo(StoreBase):
                 ctx.step,
                 ctx.attempt_id,
                 ended_at,
-                decision.attempt_state.value.lower(),
+                rules.exit_event_kind(decision.attempt_state),
                 decision.message,
             )
 
@@ -379,7 +371,7 @@ class AttemptsRepo(StoreBase):
             ).first()
             if row is None:
                 raise StaleState(f"attempt {attempt_id} is not running")
-            grace = min(grace_s, row.grace_seconds)
+            grace = rules.preemption_grace(grace_s, row.grace_seconds)
             move_step(
                 conn,
                 row.id,
@@ -412,7 +404,8 @@ class AttemptsRepo(StoreBase):
                     attempts.c.job_id,
                     attempts.c.step_name,
                     steps.c.state.label("step_state"),
-                    sa.func.coalesce(steps.c.stop_grace, jobs.c.grace_seconds).label("grace_seconds"),
+                    steps.c.stop_grace,
+                    jobs.c.grace_seconds,
                 )
                 .select_from(
                     attempts.join(steps, steps.c.id == attempts.c.step_id).join(
@@ -421,8 +414,9 @@ class AttemptsRepo(StoreBase):
                 )
                 .where(
                     attempts.c.state == AttemptState.RUNNING.value,
-                    steps.c.state.in_([StepState.CANCELLING.value, StepState.PREEMPTING.value]),
+                    steps.c.state.in_([s.value for s in sorted(rules.NOTICE_STEP_STATES)]),
                 )
+                .order_by(attempts.c.id)
             ).all()
         return [
             NoticeDue(
@@ -430,7 +424,7 @@ class AttemptsRepo(StoreBase):
                 job_id=r.job_id,
                 step=r.step_name,
                 step_state=StepState(r.step_state),
-                grace_seconds=r.grace_seconds,
+                grace_seconds=rules.notice_grace(r.stop_grace, r.grace_seconds),
             )
             for r in rows
         ]
@@ -452,7 +446,8 @@ class AttemptsRepo(StoreBase):
             insert_event(conn, row.job_id, row.step_name, attempt_id, now, "notice", reason)
 
     def job_views(self, job_ids: Iterable[str] | None = None) -> list[JobView]:
-        """Jobs whose DAG may move: the given ones, or every job with a non-terminal step."""
+        """Jobs whose DAG may move (`job_rules.job_may_move`, as a query): the given ones, or every
+        job not finished or with a step not finished; in job id order."""
         with self._read() as conn:
             if job_ids is None:
                 open_jobs = sa.select(jobs.c.id).where(
@@ -466,7 +461,9 @@ class AttemptsRepo(StoreBase):
                 ids = list(dict.fromkeys(job_ids))
             if not ids:
                 return []
-            job_rows = conn.execute(sa.select(jobs.c.id, jobs.c.state).where(jobs.c.id.in_(ids))).all()
+            job_rows = conn.execute(
+                sa.select(jobs.c.id, jobs.c.state).where(jobs.c.id.in_(ids)).order_by(jobs.c.id)
+            ).all()
             step_rows = conn.execute(
                 sa.select(steps.c.job_id, steps.c.name, steps.c.state, steps.c.depends)
                 .where(steps.c.job_id.in_(ids))
@@ -487,9 +484,11 @@ class AttemptsRepo(StoreBase):
                 ).all()
             )
             for c in changes.steps:
+                if c.step not in ids:
+                    raise NotFound(f"step '{c.step}' of job '{changes.job_id}' not found")
                 move_step(conn, ids[c.step], c.from_state, c.to_state, reason=c.reason, updated_at=now)
-                if c.to_state != StepState.READY:
-                    insert_event(conn, changes.job_id, c.step, None, now, c.to_state.value.lower(), c.reason)
+                if (event := dag_step_event(c)) is not None:
+                    insert_event(conn, changes.job_id, c.step, None, now, *event)
             if changes.job is not None:
                 move_job(
                     conn,
@@ -499,15 +498,7 @@ class AttemptsRepo(StoreBase):
                     finished_at=now,
                     message=changes.job.reason,
                 )
-                insert_event(
-                    conn,
-                    changes.job_id,
-                    None,
-                    None,
-                    now,
-                    changes.job.to_state.value.lower(),
-                    changes.job.reason,
-                )
+                insert_event(conn, changes.job_id, None, None, now, *dag_job_event(changes.job))
 
     def add_event(
         self, job_id: str, step: str | None, attempt_id: int | None, *, at: float, kind: str, message: str
@@ -546,7 +537,7 @@ class AttemptsRepo(StoreBase):
             ).first()
             if row is None:
                 raise NotFound(f"attempt {attempt_id} not found")
-            if row.last_checkpoint == label:
+            if not rules.checkpoint_is_new(row.last_checkpoint, label):
                 return False
             conn.execute(
                 sa.insert(checkpoints).values(
@@ -564,25 +555,31 @@ class AttemptsRepo(StoreBase):
                 .where(steps.c.id == row.step_id)
                 .values(last_checkpoint=label, last_checkpoint_at=now)
             )
-            detail = f" ({progress})" if progress else ""
             insert_event(
-                conn, row.job_id, row.step_name, attempt_id, now, "checkpoint", f"checkpoint {label}{detail}"
+                conn,
+                row.job_id,
+                row.step_name,
+                attempt_id,
+                now,
+                "checkpoint",
+                rules.checkpoint_message(label, progress),
             )
             return True
 
 
-def _fold_usage(
-    conn: Connection, team: str, gpus: int, start: float, end: float, now: float, half_life_s: float
-) -> None:
-    """Add a finished attempt's decayed GPU-seconds to its team's accumulator (fair share)."""
-    add = decayed_integral(gpus, start, end, now, half_life_s)
+def _fold_usage(conn: Connection, team: str, gpus: int, start: float, end: float, half_life_s: float) -> None:
+    """Add a finished attempt's GPU time to its team's accumulator (`fairshare.fold_usage`)."""
     row = conn.execute(sa.select(team_usage).where(team_usage.c.team == team)).first()
+    prior = None if row is None else (row.decayed_gpu_seconds, row.as_of)
+    folded = fold_usage(prior, gpus=gpus, start=start, end=end, now=end, half_life_s=half_life_s)
+    if folded is None:
+        return
+    value, as_of = folded
     if row is None:
-        conn.execute(sa.insert(team_usage).values(team=team, decayed_gpu_seconds=add, as_of=now))
+        conn.execute(sa.insert(team_usage).values(team=team, decayed_gpu_seconds=value, as_of=as_of))
     else:
-        value = decay(row.decayed_gpu_seconds, row.as_of, now, half_life_s) + add
         conn.execute(
             sa.update(team_usage)
             .where(team_usage.c.team == team)
-            .values(decayed_gpu_seconds=value, as_of=now)
+            .values(decayed_gpu_seconds=value, as_of=as_of)
         )

@@ -1,10 +1,14 @@
-"""Row → record conversions and ResolvedStep (de)serialisation. Must not: query."""
+"""Row → record conversions and ResolvedStep (de)serialisation, shared by both stores.
+
+A "row" is anything with the table's column names as attributes: a SQLAlchemy `Row` in the SQL
+store, a row object of `store.memory`. Must not: query, or import SQLAlchemy (the in-memory store,
+which the simulator imports, uses this module too).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
-
-from sqlalchemy import Row
 
 from lowtide.control.records import AttemptRecord, JobRecord, StepRecord
 from lowtide.domain.spec import ResolvedStep
@@ -24,7 +28,7 @@ def resolved_to_doc(r: ResolvedStep) -> dict[str, Any]:
     }
 
 
-def resolved_from_doc(doc: dict[str, Any]) -> ResolvedStep:
+def resolved_from_doc(doc: Mapping[str, Any]) -> ResolvedStep:
     return ResolvedStep(
         name=doc["name"],
         command=tuple(doc["command"]),
@@ -37,7 +41,7 @@ def resolved_from_doc(doc: dict[str, Any]) -> ResolvedStep:
     )
 
 
-def job_record(r: Row[Any], step_states: dict[str, int] | None = None) -> JobRecord:
+def job_record(r: Any, step_states: dict[str, int] | None = None) -> JobRecord:
     return JobRecord(
         id=r.id,
         name=r.name,
@@ -59,7 +63,7 @@ def job_record(r: Row[Any], step_states: dict[str, int] | None = None) -> JobRec
     )
 
 
-def step_record(r: Row[Any]) -> StepRecord:
+def step_record(r: Any) -> StepRecord:
     return StepRecord(
         id=r.id,
         job_id=r.job_id,
@@ -80,7 +84,7 @@ def step_record(r: Row[Any]) -> StepRecord:
     )
 
 
-def attempt_record(r: Row[Any]) -> AttemptRecord:
+def attempt_record(r: Any) -> AttemptRecord:
     return AttemptRecord(
         id=r.id,
         job_id=r.job_id,

@@ -3,6 +3,8 @@
 A mixin over `base.StoreBase` (one transaction per call), composed into `repo.Store`; `api` calls
 it. Step states start as PENDING/READY here and cancelling moves them through `transitions`
 (guarded); the control loop's writes live in `attempts_repo`, the GPU pool in `pool_repo`.
+The rules it applies (initial step states, which steps a cancel stops now and which get notice,
+step counts, event texts) are `policy.job_rules`, shared with `store.memory`.
 Must not: decide anything (what runs when is policy; cancelling only records the request and the
 loop gives notice) or read the clock (every time is passed in).
 """
@@ -24,7 +26,16 @@ from lowtide.control.records import (
     NewJob,
     NotFound,
 )
-from lowtide.domain.states import TERMINAL_JOB_STATES, JobState, StepState
+from lowtide.domain.states import JobState, StepState
+from lowtide.policy.job_rules import (
+    CANCEL_MOVES,
+    cancel_message,
+    cancels,
+    initial_reason,
+    initial_step_state,
+    step_counts,
+    submit_message,
+)
 from lowtide.store.base import StoreBase, insert_event
 from lowtide.store.convert import attempt_record, job_record, resolved_to_doc, step_record
 from lowtide.store.schema import attempts, checkpoints, events, jobs, steps
@@ -37,7 +48,7 @@ class JobsRepo(StoreBase):
         spec = new.spec
         now = new.submitted_at
         document = spec.to_document()
-        step_states = [(StepState.PENDING if step.depends else StepState.READY).value for step in spec.steps]
+        step_states = [initial_step_state(step.depends).value for step in spec.steps]
         with self._write() as conn:
             conn.execute(
                 sa.insert(jobs).values(
@@ -74,17 +85,13 @@ class JobsRepo(StoreBase):
                         "retries_used": 0,
                         "preemptions": 0,
                         "eligible_at": 0.0,
-                        "reason": "" if not step.depends else "waiting for " + ", ".join(step.depends),
+                        "reason": initial_reason(step.depends),
                         "updated_at": now,
                     }
                     for i, (step, resolved) in enumerate(zip(spec.steps, new.resolved, strict=True))
                 ],
             )
-            note = f" (rerun of {new.rerun_of})" if new.rerun_of else ""
-            insert_event(conn, new.id, None, None, now, "submitted", f"submitted by {new.owner}{note}")
-        counts: dict[str, int] = {}
-        for state in sorted(step_states):
-            counts[state] = counts.get(state, 0) + 1
+            insert_event(conn, new.id, None, None, now, "submitted", submit_message(new.owner, new.rerun_of))
         return JobRecord(
             id=new.id,
             name=spec.name,
@@ -102,7 +109,7 @@ class JobsRepo(StoreBase):
             spec=document,
             source_text=new.source_text,
             message="",
-            step_states=counts,
+            step_states=step_counts(step_states),
         )
 
     def list_jobs(
@@ -156,11 +163,8 @@ class JobsRepo(StoreBase):
                 sa.select(events).where(events.c.job_id == job_id).order_by(events.c.id)
             ).all()
         step_recs = tuple(step_record(r) for r in step_rows)
-        counts: dict[str, int] = defaultdict(int)
-        for s in step_recs:
-            counts[s.state.value] += 1
         return JobDetail(
-            job=job_record(row, dict(counts)),
+            job=job_record(row, step_counts(s.state for s in step_recs)),
             steps=step_recs,
             attempts=tuple(attempt_record(r) for r in attempt_rows),
             checkpoints=tuple(
@@ -196,29 +200,19 @@ class JobsRepo(StoreBase):
             if row is None:
                 raise NotFound(f"job '{job_id}' not found")
             state = JobState(row.state)
-            if state in TERMINAL_JOB_STATES:
+            if not cancels(state):
                 return job_record(row)
-            # Not-started steps first: on PostgreSQL a concurrent start either commits before
-            # (the step is then RUNNING and caught by the second update) or fails its guard.
-            move_job_steps(
-                conn,
-                job_id,
-                (StepState.PENDING, StepState.READY, StepState.PREEMPTED),
-                StepState.CANCELLED,
-                reason="job cancelled",
-                updated_at=now,
-            )
-            moved = move_job_steps(
-                conn,
-                job_id,
-                (StepState.RUNNING, StepState.PREEMPTING),
-                StepState.CANCELLING,
-                reason="job cancelled: stopping",
-                updated_at=now,
-            )
+            # Not-started steps first (`CANCEL_MOVES` order): on PostgreSQL a concurrent start either
+            # commits before (the step is then RUNNING and caught by the second update) or fails its guard.
+            moved = {
+                move.target: move_job_steps(
+                    conn, job_id, move.sources, move.target, reason=move.reason, updated_at=now
+                )
+                for move in CANCEL_MOVES
+            }
             move_job(conn, job_id, state, JobState.CANCELLED, cancel_requested_at=now, finished_at=now)
-            detail = f"; stopping {moved} running step(s)" if moved else ""
-            insert_event(conn, job_id, None, None, now, "cancelled", f"cancelled by {by}{detail}")
+            message = cancel_message(by, moved.get(StepState.CANCELLING, 0))
+            insert_event(conn, job_id, None, None, now, "cancelled", message)
             row = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).one()
             return job_record(row, _step_counts(conn, [job_id]).get(job_id))
 

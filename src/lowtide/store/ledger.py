@@ -3,7 +3,9 @@
 Invariant: each managed GPU has exactly one open row (``ended_at IS NULL``); handing a GPU from
 one holder to another closes one row and opens the next at the same instant, so the ledger's
 GPU-seconds add up to capacity × time. `hold` books only GPUs that are idle right now (guarded),
-which is what makes double booking impossible even if two writers race.
+which is what makes double booking impossible even if two writers race. The rules (which rows
+`ensure_gpus` opens and closes, the per-kind sum) are `policy.pool_rules`, shared with the
+in-memory ledger (`store.memory.ledger`); the holder kinds are `policy.accounting`'s.
 Must not: decide who gets a GPU (policy does); it only records.
 """
 
@@ -16,27 +18,38 @@ from sqlalchemy import Connection
 
 from lowtide.control.records import GpuBusy, GpuHolding
 from lowtide.domain.gpus import GpuRef
+from lowtide.policy.accounting import ATTEMPT, IDLE, REPLICA
+from lowtide.policy.pool_rules import gpu_seconds_by_kind, reconcile_gpus
 from lowtide.store.schema import attempts, gpu_ledger
 
-IDLE = "idle"
-ATTEMPT = "attempt"
-REPLICA = "replica"
+__all__ = [
+    "ATTEMPT",
+    "IDLE",
+    "REPLICA",
+    "ensure_gpus",
+    "gpu_seconds_by_holder",
+    "hold",
+    "holdings",
+    "release",
+]
 
 
 def ensure_gpus(conn: Connection, gpus: Iterable[GpuRef], now: float) -> None:
     """Open an idle row for every managed GPU without an open row; close idle rows of GPUs no
     longer managed (held ones stay open until their holder releases them)."""
-    wanted = set(gpus)
     open_rows = conn.execute(
         sa.select(gpu_ledger.c.id, gpu_ledger.c.node, gpu_ledger.c.gpu_index, gpu_ledger.c.holder_kind).where(
             gpu_ledger.c.ended_at.is_(None)
         )
     ).all()
-    have = {GpuRef(r.node, r.gpu_index) for r in open_rows}
-    stale = [r.id for r in open_rows if GpuRef(r.node, r.gpu_index) not in wanted and r.holder_kind == IDLE]
-    if stale:
-        conn.execute(sa.update(gpu_ledger).where(gpu_ledger.c.id.in_(stale)).values(ended_at=now))
-    missing = sorted(wanted - have)
+    row_of = {GpuRef(r.node, r.gpu_index): r for r in open_rows}
+    close, missing = reconcile_gpus({g: r.holder_kind for g, r in row_of.items()}, gpus)
+    if close:
+        conn.execute(
+            sa.update(gpu_ledger)
+            .where(gpu_ledger.c.id.in_([row_of[g].id for g in close]))
+            .values(ended_at=now)
+        )
     if missing:
         conn.execute(
             sa.insert(gpu_ledger),
@@ -112,7 +125,9 @@ def holdings(conn: Connection) -> list[GpuHolding]:
                 attempts,
                 sa.and_(
                     gpu_ledger.c.holder_kind == ATTEMPT,
-                    attempts.c.id == sa.cast(gpu_ledger.c.holder_id, sa.Integer),
+                    # Compared as text: PostgreSQL may cast every row's holder_id, and a
+                    # replica's ("chat/0") is no integer.
+                    gpu_ledger.c.holder_id == sa.cast(attempts.c.id, sa.String),
                 ),
             )
         )
@@ -142,9 +157,4 @@ def gpu_seconds_by_holder(conn: Connection, start: float, end: float) -> dict[st
             sa.or_(gpu_ledger.c.ended_at.is_(None), gpu_ledger.c.ended_at > start),
         )
     ).all()
-    totals: dict[str, float] = {}
-    for r in rows:
-        seg = min(end, r.ended_at if r.ended_at is not None else end) - max(start, r.started_at)
-        if seg > 0:
-            totals[r.holder_kind] = totals.get(r.holder_kind, 0.0) + seg
-    return totals
+    return gpu_seconds_by_kind(((r.holder_kind, r.started_at, r.ended_at) for r in rows), start, end)

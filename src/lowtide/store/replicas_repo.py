@@ -2,8 +2,10 @@
 ledger, the service event log, and small persisted values (the forecast profile).
 
 A replica's GPUs are booked in the ledger (holder_kind "replica") when it starts or wakes, and
-released when it leaves the GPU-holding states (parked, failed). Neighbours: `control.inference`
-drives it; `api` reads it. Must not: decide anything (policy does) or read the clock.
+released when it leaves the GPU-holding states (parked, failed); these rules, and which fields a
+reclaim update may touch, are `policy.pool_rules`, shared with `store.memory`. Neighbours:
+`control.inference` drives it; `api` reads it. Must not: decide anything (policy does) or read
+the clock.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from sqlalchemy import Connection
 
 from lowtide.control.records import NotFound, ReclaimRecord, ReplicaRecord, ServiceEventRecord, StaleState
 from lowtide.domain.gpus import GpuRef
-from lowtide.domain.states import GPU_HOLDING_REPLICA_STATES, ReclaimState, ReplicaState
+from lowtide.domain.states import ReclaimState, ReplicaState
+from lowtide.policy.pool_rules import check_reclaim_update, replica_releases_gpus, replica_start_state
 from lowtide.store import ledger
 from lowtide.store.base import StoreBase
 from lowtide.store.schema import meta, reclaims, replicas, service_events
@@ -79,7 +82,7 @@ class ReplicasRepo(StoreBase):
     ) -> ReplicaRecord:
         """Book the GPUs and move the slot to STARTING (or WAKING when `wake`), in one transaction.
         Raises GpuBusy if a GPU is taken and StaleState if the replica moved meanwhile."""
-        target = ReplicaState.WAKING if wake else ReplicaState.STARTING
+        target = replica_start_state(wake)
         with self._write() as conn:
             row = conn.execute(sa.select(replicas).where(replicas.c.id == replica_id)).first()
             values = {
@@ -132,7 +135,7 @@ class ReplicasRepo(StoreBase):
             if row is None:
                 raise NotFound(f"replica '{replica_id}' not found")
             move_replica(conn, replica_id, expected, target, since=now, message=message, **values)
-            if expected in GPU_HOLDING_REPLICA_STATES and target not in GPU_HOLDING_REPLICA_STATES:
+            if replica_releases_gpus(expected, target):
                 ledger.release(conn, kind=ledger.REPLICA, holder_id=replica_id, now=now)
             insert_service_event(conn, row.service, replica_id, now, target.value.lower(), message)
 
@@ -188,10 +191,7 @@ class ReplicasRepo(StoreBase):
         """Record phases (`notice_at`, `freed_at`, `healthy_at`) of an OPEN reclaim and, with
         `state`, end it (`RECLAIM_LIFECYCLE`). Guarded: a reclaim that is no longer OPEN (or does
         not exist) raises StaleState and is left as it is."""
-        allowed = {"notice_at", "freed_at", "healthy_at", "state"}
-        unknown = set(phases) - allowed
-        if unknown:
-            raise ValueError(f"unknown reclaim fields: {sorted(unknown)}")
+        check_reclaim_update(phases)
         with self._write() as conn:
             if "state" in phases:
                 target = ReclaimState(phases.pop("state"))

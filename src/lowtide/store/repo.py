@@ -7,7 +7,9 @@ and accounting), `attempts_repo.AttemptsRepo` (the control loop's side; `control
 through `control.ports.StorePort`), `replicas_repo.ReplicasRepo` (inference replicas, service
 events), `reports_repo.ReportsRepo` (usage reports) and `tokens_repo.TokensRepo` (API tokens).
 Callers import `Store` (and `hash_token`) from here and never from the parts.
-Methods return records (`control.records`), never live rows.
+Methods return records (`control.records`), never live rows. `store.memory.MemoryStore` has the
+same public methods, signatures and errors over Python objects; the rules both apply are pure
+functions in `policy` (`attempt_rules`, `job_rules`, `pool_rules`, `fairshare`).
 Must not: hold queries (they live in the parts), decide anything (retries, DAG progress and
 placement are policy) or read the clock (every time is passed in).
 """

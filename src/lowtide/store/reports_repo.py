@@ -5,7 +5,9 @@ It reads, in one read transaction, every `gpu_ledger` row that meets [start, end
 name) and every attempt that ended in [start, end) interrupted or lost (the candidates for
 preemption, with `lost_gpu_seconds`), and hands them to `policy.accounting.usage_report`, which
 does all the arithmetic (clipping, days in a time zone, preemption vs cancellation, savings).
-Neighbours: `ledger` writes the rows, `pool_repo.gpu_seconds_by_holder` is the quick per-kind sum.
+Which rows meet the period and which ended attempts count is `policy.pool_rules` (as a query here),
+shared with `store.memory`. Neighbours: `ledger` writes the rows, `pool_repo.gpu_seconds_by_holder`
+is the quick per-kind sum.
 Must not: compute anything itself, write, or read the clock (the period is passed in).
 """
 
@@ -22,10 +24,11 @@ from lowtide.policy.accounting import (
     UsageReport,
     usage_report,
 )
+from lowtide.policy.pool_rules import REPORTED_ENDED_STATES
 from lowtide.store.base import StoreBase
 from lowtide.store.schema import attempts, gpu_ledger, jobs
 
-_ENDED_STOPPED = (AttemptState.INTERRUPTED.value, AttemptState.LOST.value)
+_ENDED_STOPPED = [s.value for s in sorted(REPORTED_ENDED_STATES)]
 
 
 class ReportsRepo(StoreBase):

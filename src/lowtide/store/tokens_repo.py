@@ -1,38 +1,31 @@
 """The store's API tokens: mint, authenticate, list, revoke.
 
-Only a token's SHA-256 (`hash_token`) is stored; the raw token is returned once, by
-`create_token`. Roles (`ROLES`): admin, user, and step (minted per attempt by the control loop;
-`attempts_repo` revokes them when the attempt ends). A mixin over `base.StoreBase`, composed into
-`repo.Store`; `api.auth` and the control loop call it.
+Only a token's SHA-256 (`token_codec.hash_token`, shared with the in-memory store) is stored; the
+raw token is returned once, by `create_token`. Roles (`ROLES`): admin, user, and step (minted per
+attempt by the control loop; `attempts_repo` revokes them when the attempt ends). A mixin over
+`base.StoreBase`, composed into `repo.Store`; `api.auth` and the control loop call it.
 Must not: store or log raw tokens, decide who may do what (`api.auth` does), or read the clock
 (every time is passed in).
 """
 
 from __future__ import annotations
 
-import hashlib
-import secrets
-
 import sqlalchemy as sa
 
 from lowtide.control.records import NotFound, TokenRecord
 from lowtide.store.base import StoreBase
 from lowtide.store.schema import tokens
+from lowtide.store.token_codec import ROLES, check_role, hash_token, new_raw_token
 
-ROLES = ("admin", "user", "step")
-
-
-def hash_token(raw: str) -> str:
-    return hashlib.sha256(raw.encode("utf-8")).hexdigest()
+__all__ = ["ROLES", "TokensRepo", "hash_token"]
 
 
 class TokensRepo(StoreBase):
     def create_token(
         self, *, name: str, owner: str, role: str, now: float, attempt_id: int | None = None
     ) -> tuple[TokenRecord, str]:
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}")
-        raw = f"lt_{secrets.token_urlsafe(32)}"
+        check_role(role)
+        raw = new_raw_token()
         with self._write() as conn:
             token_id = conn.execute(
                 sa.insert(tokens)

@@ -1,0 +1,234 @@
+"""The rules of an attempt's life that every store applies the same way (pure).
+
+Role: what a store has to work out, rather than merely record, when it shows the scheduler its
+queued and running steps, starts an attempt, gives notice, records a checkpoint or finishes an
+attempt: which checkpoint counts, how much work a stop loses, how long a notice lasts, when a
+running step counts as stopping, what an attempt's reproducibility record holds, and the texts of
+the events those moves write.
+Neighbours: `store.attempts_repo` (SQL) and `store.memory` (in memory) call these and only persist
+the results; `policy.reclaim` prices victims with `lost_work`; `policy.snapshot` defines the rows
+built here; `policy.fairshare.fold_usage` adds a finished attempt to its team's usage.
+Must not: read the clock (every time is passed in), do I/O, import the store or SQLAlchemy, or
+decide what happens next (exit outcomes are `policy.outcomes`, DAG moves `policy.dag`).
+
+Rules
+- Attempts hold GPUs while RUNNING or STOPPING (`ACTIVE_ATTEMPT_STATES`).
+- A step's last checkpoint counts for an attempt only if it was taken during that attempt
+  (`last_checkpoint_at >= started_at`); an older one belongs to an earlier attempt.
+- Lost work of an attempt stopped at t holding g GPUs: g × max(0, t − since), since = the
+  checkpoint that counts, else the attempt's start. An attempt that SUCCEEDED lost nothing.
+- A running step counts as stopping (its GPUs come back soon; nobody preempts it again) when its
+  attempt is STOPPING or its step is no longer RUNNING (notice requested, not yet given).
+- Notice is due for an attempt still RUNNING whose step is CANCELLING or PREEMPTING
+  (`NOTICE_STEP_STATES`). Its grace is the step's `stop_grace` (the shorter grace of a reclaim in
+  progress) when set, else the job's grace; a preemption asks for `grace_s` but never gets more
+  than the job's grace.
+- A step starts only while its job is not finished; the first start moves a QUEUED job to
+  RUNNING. Attempts of a step are numbered 1, 2, ... in order.
+- A checkpoint is recorded only when its label differs from the step's latest one.
+- A finished attempt's step: a preemption (the decision says so) adds one to `preemptions`; the
+  stop's `stop_grace` is cleared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lowtide.domain.spec import ResolvedStep
+from lowtide.domain.states import TERMINAL_JOB_STATES, AttemptState, JobState, StepState
+from lowtide.policy.outcomes import ExitDecision
+from lowtide.policy.snapshot import QueuedStep, RunningStep
+
+#: Attempts that hold their GPUs: started and not yet ended.
+ACTIVE_ATTEMPT_STATES = frozenset({AttemptState.RUNNING, AttemptState.STOPPING})
+#: Step states in which a RUNNING attempt is owed notice (cancelled or preempted).
+NOTICE_STEP_STATES = frozenset({StepState.CANCELLING, StepState.PREEMPTING})
+
+
+# -- checkpoints and lost work -------------------------------------------------------------------
+
+
+def counted_checkpoint(last_checkpoint_at: float | None, started_at: float) -> float | None:
+    """The step's last checkpoint time if it was taken during the attempt started at `started_at`."""
+    if last_checkpoint_at is not None and last_checkpoint_at >= started_at:
+        return last_checkpoint_at
+    return None
+
+
+def lost_work(gpus: int, started_at: float, last_checkpoint_at: float | None, at: float) -> float:
+    """GPU-seconds of work lost if the attempt stops at `at`: since its checkpoint, else its start."""
+    counted = counted_checkpoint(last_checkpoint_at, started_at)
+    since = started_at if counted is None else counted
+    return gpus * max(0.0, at - since)
+
+
+def lost_work_at_exit(
+    state: AttemptState, gpus: int, started_at: float, last_checkpoint_at: float | None, ended_at: float
+) -> float:
+    """The lost work recorded on an attempt that ended in `state` (none if it succeeded)."""
+    if state == AttemptState.SUCCEEDED:
+        return 0.0
+    return lost_work(gpus, started_at, last_checkpoint_at, ended_at)
+
+
+def checkpoint_is_new(latest_label: str | None, label: str) -> bool:
+    """A reported checkpoint is recorded only if it is not the step's latest already."""
+    return latest_label != label
+
+
+def checkpoint_message(label: str, progress: str | None) -> str:
+    detail = f" ({progress})" if progress else ""
+    return f"checkpoint {label}{detail}"
+
+
+# -- stopping and notice -------------------------------------------------------------------------
+
+
+def is_stopping(attempt_state: AttemptState, step_state: StepState) -> bool:
+    """A running step whose GPUs come back soon: notice given, or asked for and not yet given."""
+    return attempt_state == AttemptState.STOPPING or step_state != StepState.RUNNING
+
+
+def notice_due(attempt_state: AttemptState, step_state: StepState) -> bool:
+    return attempt_state == AttemptState.RUNNING and step_state in NOTICE_STEP_STATES
+
+
+def notice_grace(stop_grace: float | None, job_grace: float) -> float:
+    """The grace a notice gives: the stop's own (shorter) grace if one was set, else the job's."""
+    return job_grace if stop_grace is None else stop_grace
+
+
+def preemption_grace(requested_s: float, job_grace: float) -> float:
+    """A preemption's grace: what the reclaim asks for, at most the job's grace."""
+    return min(requested_s, job_grace)
+
+
+# -- what the scheduler sees ---------------------------------------------------------------------
+
+
+def retry_note(retries_used: int, max_retries: int) -> str:
+    """E.g. "attempt 2 of 3" for a step being retried; "" before its first retry."""
+    return f"attempt {retries_used + 1} of {max_retries + 1}" if retries_used else ""
+
+
+def queued_step(
+    *,
+    job_id: str,
+    step: str,
+    step_index: int,
+    state: StepState,
+    gpus: int,
+    eligible_at: float,
+    retries_used: int,
+    max_retries: int,
+    team: str,
+    priority: int,
+    submitted_at: float,
+) -> QueuedStep:
+    """The scheduler's view of a step in `QUEUED_STEP_STATES`."""
+    return QueuedStep(
+        job_id=job_id,
+        step=step,
+        team=team,
+        priority=priority,
+        gpus=gpus,
+        submitted_at=submitted_at,
+        step_index=step_index,
+        eligible_at=eligible_at,
+        preempted=state == StepState.PREEMPTED,
+        retry_note=retry_note(retries_used, max_retries),
+    )
+
+
+def running_step(
+    *,
+    attempt_id: int,
+    attempt_state: AttemptState,
+    job_id: str,
+    step: str,
+    step_state: StepState,
+    team: str,
+    priority: int,
+    node: str,
+    gpus: Sequence[int],
+    started_at: float,
+    last_checkpoint_at: float | None,
+    min_runtime: float,
+    restart_seconds: float,
+) -> RunningStep:
+    """The scheduler's (and the reclaimer's) view of an attempt in `ACTIVE_ATTEMPT_STATES`."""
+    return RunningStep(
+        attempt_id=attempt_id,
+        job_id=job_id,
+        step=step,
+        team=team,
+        priority=priority,
+        node=node,
+        gpus=tuple(gpus),
+        started_at=started_at,
+        last_checkpoint_at=counted_checkpoint(last_checkpoint_at, started_at),
+        min_runtime=min_runtime,
+        restart_seconds=restart_seconds,
+        stopping=is_stopping(attempt_state, step_state),
+    )
+
+
+# -- starting and finishing ----------------------------------------------------------------------
+
+
+def can_start(job_state: JobState) -> bool:
+    """A step of a finished (or cancelled) job never starts."""
+    return job_state not in TERMINAL_JOB_STATES
+
+
+def job_state_on_start(job_state: JobState) -> JobState | None:
+    """The job's new state when one of its steps starts (None: it stays as it is)."""
+    return JobState.RUNNING if job_state == JobState.QUEUED else None
+
+
+def next_attempt_number(last_number: int | None) -> int:
+    return 1 if last_number is None else last_number + 1
+
+
+def launch_params(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The job's parameters as an attempt gets them (a copy of the spec's `params`)."""
+    return dict(spec.get("params") or {})
+
+
+def reproducibility_record(
+    *,
+    spec: Mapping[str, Any],
+    resolved_doc: Mapping[str, Any],
+    resolved: ResolvedStep,
+    last_checkpoint: str | None,
+    node: str,
+    gpus: Sequence[int],
+) -> dict[str, Any]:
+    """What an attempt ran, kept with it: the spec, the resolved step, where, and what it resumed."""
+    return {
+        "spec": spec,
+        "resolved": resolved_doc,
+        "params": launch_params(spec),
+        "image": resolved.image,
+        "inputs": dict(resolved.inputs),
+        "outputs": resolved.outputs,
+        "checkpoint_dir": resolved.checkpoint_dir,
+        "resume_from": last_checkpoint,
+        "node": node,
+        "gpus": list(gpus),
+    }
+
+
+def start_message(number: int, node: str, gpus: Sequence[int]) -> str:
+    where = f"{node} GPUs {','.join(map(str, gpus))}" if gpus else f"{node} (no GPUs)"
+    return f"attempt {number} started on {where}"
+
+
+def preemption_increment(decision: ExitDecision) -> int:
+    """How much a finished attempt adds to its step's `preemptions`."""
+    return 1 if decision.preempted else 0
+
+
+def exit_event_kind(state: AttemptState) -> str:
+    return state.value.lower()

@@ -1,0 +1,165 @@
+"""The in-memory store's API side for jobs: submit, list, read, cancel, and read attempts.
+
+The counterpart of `store.jobs_repo`, with the same signatures, records and errors; the rules
+(initial step states, what a cancel does to each step, step counts, event texts) are
+`policy.job_rules`, shared with it. Listing walks the jobs in (submitted_at, id) order from the
+`before` cursor, so a page costs what it returns plus the jobs its filters skip.
+Neighbours: `base.MemoryBase` (state, guarded moves), `attempts` (the loop's side).
+Must not: decide anything or read the clock (every time is passed in).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+from lowtide.control.records import AttemptRecord, JobDetail, JobRecord, NewJob, NotFound
+from lowtide.domain.states import STEP_LIFECYCLE, JobState, StepState
+from lowtide.policy.job_rules import (
+    CANCEL_MOVES,
+    cancel_message,
+    cancels,
+    initial_reason,
+    initial_step_state,
+    step_counts,
+    submit_message,
+)
+from lowtide.store.convert import job_record, resolved_to_doc, step_record
+from lowtide.store.memory.base import MemoryBase, count_state
+from lowtide.store.memory.rows import JobRow, StepRow
+from lowtide.store.memory.values import freeze
+
+
+class JobsPart(MemoryBase):
+    def create_job(self, new: NewJob) -> JobRecord:
+        """Store a new job and its steps; returns the job as stored. Raises ValueError if the id
+        is taken (the SQL store's primary key refuses it)."""
+        spec = new.spec
+        now = new.submitted_at
+        pairs = list(zip(spec.steps, new.resolved, strict=True))
+        job = JobRow(
+            id=new.id,
+            name=spec.name,
+            team=spec.team,
+            owner=new.owner,
+            priority=spec.priority,
+            state=JobState.QUEUED,
+            submitted_at=now,
+            grace_seconds=spec.grace_seconds,
+            template=spec.template,
+            rerun_of=new.rerun_of,
+            spec=freeze(spec.to_document()),
+            source_text=new.source_text,
+        )
+        with self._lock:
+            if new.id in self._jobs:
+                raise ValueError(f"job '{new.id}' already exists")
+            for i, (step, resolved) in enumerate(pairs):
+                row = StepRow(
+                    id=next(self._step_ids),
+                    job=job,
+                    name=step.name,
+                    idx=i,
+                    state=initial_step_state(step.depends),
+                    gpus=step.gpus,
+                    depends=tuple(step.depends),
+                    resolved=freeze(resolved_to_doc(resolved)),
+                    max_retries=spec.retries_for(step),
+                    min_runtime=step.min_runtime,
+                    max_preemptions=step.max_preemptions,
+                    restart_seconds=step.restart_seconds,
+                    updated_at=now,
+                    reason=initial_reason(step.depends),
+                )
+                job.steps.append(row)
+                job.step_by_name[row.name] = row
+            self._jobs[job.id] = job
+            bisect.insort(self._job_order, (now, job.id))
+            count_state(self._job_counts, job.state, 1)
+            for row in job.steps:
+                count_state(self._step_counts, row.state, 1)
+                self._refresh_step(row)
+            self._refresh_job(job)
+            self._event(job.id, None, None, now, "submitted", submit_message(new.owner, new.rerun_of))
+            return job_record(job, step_counts(s.state for s in job.steps))
+
+    def list_jobs(
+        self,
+        *,
+        states: Sequence[JobState] = (),
+        team: str | None = None,
+        owner: str | None = None,
+        name: str | None = None,
+        limit: int = 100,
+        before: float | None = None,
+    ) -> list[JobRecord]:
+        """Newest first (submitted_at, then id, descending). A negative `limit` means no limit
+        (as SQLite reads it)."""
+        wanted = {JobState(s) for s in states}
+        out: list[JobRecord] = []
+        with self._lock:
+            order = self._job_order
+            i = len(order) if before is None else bisect.bisect_left(order, before, key=lambda k: k[0])
+            while i > 0 and len(out) != limit:
+                i -= 1
+                job = self._jobs[order[i][1]]
+                if (
+                    (wanted and job.state not in wanted)
+                    or (team and job.team != team)
+                    or (owner and job.owner != owner)
+                    or (name and job.name != name)
+                ):
+                    continue
+                out.append(job_record(job, step_counts(s.state for s in job.steps)))
+        return out
+
+    def job(self, job_id: str) -> JobRecord:
+        with self._lock:
+            job = self._job_row(job_id)
+            return job_record(job, step_counts(s.state for s in job.steps))
+
+    def job_detail(self, job_id: str) -> JobDetail:
+        with self._lock:
+            job = self._job_row(job_id)
+            steps = tuple(step_record(s) for s in job.steps)
+            return JobDetail(
+                job=job_record(job, step_counts(s.state for s in steps)),
+                steps=steps,
+                attempts=tuple(self._attempt_record(a) for a in job.attempts),
+                checkpoints=tuple(job.checkpoints),
+                events=tuple(self._events.get(job_id, ())),
+            )
+
+    def request_cancel(self, job_id: str, *, by: str, now: float) -> JobRecord:
+        """Cancel a job (`job_rules.CANCEL_MOVES`); cancelling a finished job changes nothing and
+        returns its record (without step counts, as the SQL store does)."""
+        with self._lock:
+            job = self._job_row(job_id)
+            if not cancels(job.state):
+                return job_record(job)
+            for move in CANCEL_MOVES:
+                for source in move.sources:
+                    STEP_LIFECYCLE.check(source, move.target)
+            self._check_job(job, job.state, JobState.CANCELLED)
+            moved: dict[StepState, int] = {}
+            for move in CANCEL_MOVES:
+                for step in job.steps:
+                    if step.state in move.sources:
+                        self._set_step(step, move.target, reason=move.reason, updated_at=now)
+                        moved[move.target] = moved.get(move.target, 0) + 1
+            self._set_job(job, JobState.CANCELLED, cancel_requested_at=now, finished_at=now)
+            message = cancel_message(by, moved.get(StepState.CANCELLING, 0))
+            self._event(job_id, None, None, now, "cancelled", message)
+            return job_record(job, step_counts(s.state for s in job.steps))
+
+    def attempt(self, attempt_id: int) -> AttemptRecord:
+        with self._lock:
+            att = self._attempts.get(attempt_id)
+            if att is None:
+                raise NotFound(f"attempt {attempt_id} not found")
+            return self._attempt_record(att)
+
+    def step_attempts(self, job_id: str, step: str) -> list[AttemptRecord]:
+        with self._lock:
+            row = self._step_row(job_id, step)
+            return [self._attempt_record(a) for a in row.attempts]

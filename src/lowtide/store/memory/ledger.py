@@ -1,0 +1,100 @@
+"""The in-memory GPU ledger: every interval in which a GPU is held, and by whom.
+
+The same invariant as `store.ledger`: each managed GPU has exactly one open interval; handing a
+GPU over closes one interval and opens the next at the same instant, so GPU-seconds add up to
+capacity × time. Which intervals `ensure` opens and closes, which GPUs may be booked and the
+per-kind sum are `policy.pool_rules`, shared with the SQL ledger. Indexes: the open interval of
+each GPU and the GPUs of each holder, so booking and releasing cost O(GPUs moved); the full
+history (`intervals`) is read only by reports.
+Neighbours: `base.MemoryBase` owns one; its parts book and release through it. Must not: decide
+who gets a GPU, raise anything but GpuBusy, or change anything before its checks have passed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from lowtide.control.records import GpuBusy
+from lowtide.domain.gpus import GpuRef
+from lowtide.policy.accounting import IDLE
+from lowtide.policy.pool_rules import bookable, meets_period, reconcile_gpus
+
+
+@dataclass(slots=True, eq=False)
+class Interval:
+    gpu: GpuRef
+    holder_kind: str
+    holder_id: str | None
+    job_id: str | None
+    team: str | None
+    started_at: float
+    ended_at: float | None = None
+
+
+class Ledger:
+    def __init__(self) -> None:
+        self.intervals: list[Interval] = []  # every interval, in the order opened
+        self.open: dict[GpuRef, Interval] = {}
+        self._held: dict[tuple[str, str], list[GpuRef]] = {}
+        self._sorted: list[GpuRef] | None = []
+
+    def ensure(self, managed: Iterable[GpuRef], now: float) -> None:
+        close, missing = reconcile_gpus({g: iv.holder_kind for g, iv in self.open.items()}, managed)
+        for gpu in close:
+            self.open.pop(gpu).ended_at = now
+        for gpu in missing:
+            self._open(Interval(gpu, IDLE, None, None, None, now))
+        if close or missing:
+            self._sorted = None
+
+    def check_bookable(self, gpus: Sequence[GpuRef]) -> None:
+        """Raise GpuBusy unless every GPU is idle now (and none is asked for twice)."""
+        seen: set[GpuRef] = set()
+        for gpu in gpus:
+            current = self.open.get(gpu)
+            if gpu in seen or not bookable(None if current is None else current.holder_kind):
+                raise GpuBusy(f"GPU {gpu} is not idle")
+            seen.add(gpu)
+
+    def hold(
+        self,
+        gpus: Sequence[GpuRef],
+        *,
+        kind: str,
+        holder_id: str,
+        job_id: str | None,
+        team: str | None,
+        now: float,
+    ) -> None:
+        """Hand idle GPUs to a holder. Raises GpuBusy (changing nothing) if one is not idle."""
+        self.check_bookable(gpus)
+        for gpu in gpus:
+            self.open[gpu].ended_at = now
+            self._open(Interval(gpu, kind, holder_id, job_id, team, now))
+        if gpus:
+            self._held.setdefault((kind, holder_id), []).extend(gpus)
+
+    def release(self, *, kind: str, holder_id: str, now: float) -> list[GpuRef]:
+        """Close the holder's open intervals and open idle ones for its GPUs; the GPUs freed."""
+        gpus = self._held.pop((kind, holder_id), [])
+        for gpu in gpus:
+            self.open[gpu].ended_at = now
+            self._open(Interval(gpu, IDLE, None, None, None, now))
+        return gpus
+
+    def current(self) -> Iterator[Interval]:
+        """The open interval of every GPU, by node and index."""
+        if self._sorted is None:
+            self._sorted = sorted(self.open)
+        return (self.open[g] for g in self._sorted)
+
+    def meeting(self, start: float, end: float) -> Iterator[Interval]:
+        """Every interval that meets [start, end) (`pool_rules.meets_period`)."""
+        return (iv for iv in self.intervals if meets_period(iv.started_at, iv.ended_at, start, end))
+
+    def _open(self, interval: Interval) -> None:
+        if interval.gpu not in self.open:
+            self._sorted = None
+        self.open[interval.gpu] = interval
+        self.intervals.append(interval)

@@ -1,0 +1,55 @@
+"""The in-memory store's API tokens: mint, authenticate, list, revoke.
+
+The counterpart of `store.tokens_repo`: tokens are minted and hashed by `store.token_codec`,
+shared with it, and only the hash is kept (`_token_by_hash`); the raw token is returned once.
+Step tokens (one per attempt, revoked when the attempt ends: `attempts`) are indexed by attempt;
+the others, few, are kept in id order for listing and for `has_admin_token`.
+Neighbours: `base.MemoryBase` (state, `_revoke`). Must not: keep or log raw tokens, decide who
+may do what (`api.auth` does), or read the clock.
+"""
+
+from __future__ import annotations
+
+from lowtide.control.records import NotFound, TokenRecord
+from lowtide.store.memory.base import MemoryBase
+from lowtide.store.token_codec import check_role, hash_token, new_raw_token
+
+
+class TokensPart(MemoryBase):
+    def create_token(
+        self, *, name: str, owner: str, role: str, now: float, attempt_id: int | None = None
+    ) -> tuple[TokenRecord, str]:
+        check_role(role)
+        raw = new_raw_token()
+        with self._lock:
+            record = TokenRecord(next(self._token_ids), name, owner, role, attempt_id, now, None)
+            self._tokens[record.id] = record
+            self._token_by_hash[hash_token(raw)] = record.id
+            if attempt_id is not None:
+                self._tokens_of_attempt.setdefault(attempt_id, []).append(record.id)
+            if role != "step":
+                self._listed_tokens.append(record.id)
+        return record, raw
+
+    def authenticate(self, raw: str) -> TokenRecord | None:
+        with self._lock:
+            token_id = self._token_by_hash.get(hash_token(raw))
+            record = None if token_id is None else self._tokens[token_id]
+        return record if record is not None and record.revoked_at is None else None
+
+    def list_tokens(self) -> list[TokenRecord]:
+        """Every token but step tokens, in id order."""
+        with self._lock:
+            return [self._tokens[i] for i in self._listed_tokens]
+
+    def revoke_token(self, token_id: int, now: float) -> None:
+        with self._lock:
+            if not self._revoke(token_id, now):
+                raise NotFound(f"token {token_id} not found or already revoked")
+
+    def has_admin_token(self) -> bool:
+        with self._lock:
+            return any(
+                t.role == "admin" and t.revoked_at is None
+                for t in (self._tokens[i] for i in self._listed_tokens)
+            )
