@@ -20,6 +20,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from lowtide.domain.services import AutoscaleTargets, LendingPolicy, ServiceSpec, TimeWindow
+
 DEFAULT_CONFIG_FILE = "lowtide.yaml"
 _NAME_RULE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
@@ -194,11 +196,24 @@ class AutoscaleConfig(_Strict):
     scale_up_window: float = 30.0
     scale_down_stabilization: float = 300.0
     tolerance: float = Field(default=0.1, ge=0, lt=1)
+    #: Scale down only to a count that carries the load at (1 − this) of each target (no flapping).
+    scale_down_tolerance: float = Field(default=0.1, ge=0, lt=1)
 
     @field_validator("ttft_p90_slo", "scale_up_window", "scale_down_stabilization", mode="before")
     @classmethod
     def _duration(cls, v: Any) -> float | None:
         return None if v is None else parse_duration(v)
+
+
+class ServiceSimulation(_Strict):
+    """Used only by `lowtide simulate`: one replica's capacity and the service's share of the load."""
+
+    #: Requests per second one replica serves at its autoscale target (None: derived from the load).
+    replica_capacity_rps: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    #: Fraction of the simulated load this service gets (None: an even split of what is left).
+    load_share: float | None = Field(default=None, gt=0, le=1)
+    #: TTFT p90 above which a simulated minute counts as an SLO violation (autoscale.ttft_p90_slo wins).
+    slo_ttft_p90: float = Field(default=2.0, gt=0, allow_inf_nan=False)
 
 
 class ServiceConfig(_Strict):
@@ -230,6 +245,7 @@ class ServiceConfig(_Strict):
     reclaim_grace: float = 60.0
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
+    simulation: ServiceSimulation = Field(default_factory=ServiceSimulation)
 
     @field_validator("name")
     @classmethod
@@ -512,3 +528,51 @@ def load_settings(path: str | Path | None = None, **overrides: Any) -> Settings:
         return Settings(**doc)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, source)) from exc
+
+
+# -- configuration as the domain's values (used by wiring and the simulator) -------------------
+
+
+def service_spec(cfg: ServiceConfig) -> ServiceSpec:
+    a = cfg.autoscale
+    return ServiceSpec(
+        name=cfg.name,
+        model=cfg.model,
+        gpus_per_replica=cfg.gpus_per_replica,
+        min_replicas=cfg.min_replicas,
+        max_replicas=cfg.max_replicas,
+        headroom_replicas=cfg.headroom_replicas,
+        min_safe_replicas=cfg.min_replicas if cfg.min_safe_replicas is None else cfg.min_safe_replicas,
+        park=cfg.park,
+        startup_s=cfg.expected_startup,
+        wake_s=cfg.expected_wake,
+        autoscale=AutoscaleTargets(
+            concurrency_per_replica=a.concurrency_per_replica,
+            kv_usage=a.kv_usage,
+            generation_tokens_per_s_per_replica=a.generation_tokens_per_s_per_replica,
+            token_utilization=a.token_utilization,
+            ttft_p90_slo_s=a.ttft_p90_slo,
+            scale_up_window_s=a.scale_up_window,
+            scale_down_stabilization_s=a.scale_down_stabilization,
+            tolerance=a.tolerance,
+            scale_down_tolerance=a.scale_down_tolerance,
+        ),
+    )
+
+
+def lending_policy(settings: Settings) -> LendingPolicy:
+    lend = settings.lending
+    specs = [service_spec(s) for s in settings.services]
+    # Time to get GPUs back and a replica serving: a tick, the longest notice, the slowest unpark.
+    lead = settings.tick_seconds + max(
+        (s.reclaim_grace + spec.unpark_s for s, spec in zip(settings.services, specs, strict=True)),
+        default=0.0,
+    )
+    return LendingPolicy(
+        mode=lend.mode,
+        windows=tuple(TimeWindow(*parse_window(w)) for w in lend.windows),
+        timezone=lend.timezone,
+        reclaim_lead_s=lead,
+        stale_after_s=lend.stale_after,
+        stale_reclaim_after_s=lend.stale_reclaim_after,
+    )

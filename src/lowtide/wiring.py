@@ -37,14 +37,13 @@ from lowtide.adapters.storage import FsspecArtifacts
 from lowtide.adapters.templates import DirectoryTemplates
 from lowtide.api.app import ApiContext, create_app
 from lowtide.api.metrics import LoopStatus
-from lowtide.config import ConfigError, ServiceConfig, Settings, parse_window
+from lowtide.config import ConfigError, ServiceConfig, Settings, lending_policy, service_spec
 from lowtide.control.clock import Clock, SystemClock
 from lowtide.control.inference import InferenceController, ServiceSetup
 from lowtide.control.inference_ports import MetricsSource
 from lowtide.control.loop import ControlLoop, LoopSettings
 from lowtide.domain.gpus import Node
 from lowtide.domain.layout import ArtifactLayout
-from lowtide.domain.services import AutoscaleTargets, LendingPolicy, ServiceSpec, TimeWindow
 from lowtide.policy.accounting import AccountingPolicy
 from lowtide.policy.fairshare import FairSharePolicy
 from lowtide.policy.outcomes import RetryPolicy
@@ -194,32 +193,6 @@ def build(settings: Settings, *, clock: Clock | None = None) -> Embedded:
     return embedded
 
 
-def service_spec(cfg: ServiceConfig) -> ServiceSpec:
-    a = cfg.autoscale
-    return ServiceSpec(
-        name=cfg.name,
-        model=cfg.model,
-        gpus_per_replica=cfg.gpus_per_replica,
-        min_replicas=cfg.min_replicas,
-        max_replicas=cfg.max_replicas,
-        headroom_replicas=cfg.headroom_replicas,
-        min_safe_replicas=cfg.min_replicas if cfg.min_safe_replicas is None else cfg.min_safe_replicas,
-        park=cfg.park,
-        startup_s=cfg.expected_startup,
-        wake_s=cfg.expected_wake,
-        autoscale=AutoscaleTargets(
-            concurrency_per_replica=a.concurrency_per_replica,
-            kv_usage=a.kv_usage,
-            generation_tokens_per_s_per_replica=a.generation_tokens_per_s_per_replica,
-            token_utilization=a.token_utilization,
-            ttft_p90_slo_s=a.ttft_p90_slo,
-            scale_up_window_s=a.scale_up_window,
-            scale_down_stabilization_s=a.scale_down_stabilization,
-            tolerance=a.tolerance,
-        ),
-    )
-
-
 def replica_command(cfg: ServiceConfig) -> tuple[str, ...]:
     """The replica command template: configured, the emulator, or `vllm serve`."""
     if cfg.command:
@@ -256,24 +229,6 @@ def metrics_source(cfg: ServiceConfig) -> MetricsSource:
         )
     return ScrapeSource(
         timeout_s=m.timeout, window_s=m.window, stale_after_s=m.stale_after, frozen_after_s=m.frozen_after
-    )
-
-
-def lending_policy(settings: Settings) -> LendingPolicy:
-    lend = settings.lending
-    specs = [service_spec(s) for s in settings.services]
-    # Time to get GPUs back and a replica serving: a tick, the longest notice, the slowest unpark.
-    lead = settings.tick_seconds + max(
-        (s.reclaim_grace + spec.unpark_s for s, spec in zip(settings.services, specs, strict=True)),
-        default=0.0,
-    )
-    return LendingPolicy(
-        mode=lend.mode,
-        windows=tuple(TimeWindow(*parse_window(w)) for w in lend.windows),
-        timezone=lend.timezone,
-        reclaim_lead_s=lead,
-        stale_after_s=lend.stale_after,
-        stale_reclaim_after_s=lend.stale_reclaim_after,
     )
 
 

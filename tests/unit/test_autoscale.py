@@ -502,3 +502,30 @@ def test_desired_always_within_min_and_max(
         keep = max(s.autoscale.scale_up_window_s, s.autoscale.scale_down_stabilization_s)
         assert all(at >= now - keep for at, _ in d.state.history)
         state = d.state
+
+
+# -- flapping -----------------------------------------------------------------------------------
+
+
+def test_a_scale_down_that_had_to_be_undone_is_not_repeated_until_the_load_falls_clearly() -> None:
+    """Batching makes a replica's load grow faster than linearly when one is removed: 95 requests
+    on 4 replicas ask for 3, but on 3 replicas the same traffic is 110 requests, which asks for
+    4. Found by the simulator: without a guard this flapped (and preempted research) every window."""
+    s = spec(down_window=300.0)
+    four = conc(23.75, 23.75, 23.75, 23.75)  # 95 → 3 replicas' worth (2.97)
+    three = conc(36.6, 36.6, 36.6)  # 110 → 4
+    ticks: list[Tick] = [(0.0, four, supply(4)), (301.0, four, supply(4))]
+    d = run(s, ticks)
+    assert desired(d) == [4, 3]  # the first scale-down is allowed: nothing says it is wrong yet
+    state = d[-1].state
+    d = run(s, [(310.0, three, supply(3))], state)
+    assert desired(d) == [4]  # undone at once
+    assert d[0].state.flap_guard is not None and d[0].state.flap_guard[0] == 4
+    later = [(310.0 + 400.0 * k, four, supply(4)) for k in range(1, 4)]
+    d2 = run(s, later, d[0].state)
+    assert desired(d2) == [4, 4, 4]
+    assert d2[-1].guard is not None and "flap guard" in d2[-1].guard
+    # The load falls below 95 × 0.9 = 85.5 requests: going down is allowed again.
+    lower = conc(20.0, 20.0, 20.0, 20.0)  # 80 → 2.5 replicas' worth → 3
+    d3 = run(s, [(2000.0, lower, supply(4)), (2400.0, lower, supply(4))], d2[-1].state)
+    assert desired(d3)[-1] == 3 and d3[-1].state.flap_guard is None

@@ -1,5 +1,5 @@
 """The inference half of a tick: observe replicas and their load, scale each service, park and
-unpark replicas, and work out which GPUs research may use (DESIGN §3, issue "inference side").
+unpark replicas, and work out which GPUs research may use (docs/architecture.md §4.2).
 
 Per tick: (1) service-manager events move replicas (healthy → SERVING and into the gateway;
 asleep/stopped → PARKED, GPUs back to the pool; failed → FAILED with a retry backoff); (2) each
@@ -35,9 +35,16 @@ from lowtide.domain.gpus import GpuRef, Node, cuda_visible_devices
 from lowtide.domain.metrics import ServiceSignals
 from lowtide.domain.services import LendingPolicy, ServiceSpec
 from lowtide.domain.states import GPU_HOLDING_REPLICA_STATES, SUPPLY_REPLICA_STATES, ReplicaState
-from lowtide.policy.autoscale import ReplicaSupply, ScaleDecision, ScaleState, decide_scale, initial_state
+from lowtide.policy.autoscale import (
+    ReplicaSupply,
+    ScaleDecision,
+    ScaleState,
+    decide_scale,
+    initial_state,
+    next_decision_at,
+)
 from lowtide.policy.forecast import WeeklyProfile
-from lowtide.policy.lending import Envelope, ServiceLendingInput, envelope
+from lowtide.policy.lending import Envelope, ServiceLendingInput, envelope, next_lending_edge
 from lowtide.policy.reclaim import ReclaimPlan
 from lowtide.policy.replicas import (
     ReplicaAction,
@@ -59,6 +66,8 @@ RESTART_BACKOFF_MAX_S = 600.0
 FAILURES_BEFORE_ALERT = 3
 #: How often the learned weekly profile is saved (seconds).
 FORECAST_SAVE_EVERY_S = 600.0
+#: The forecast profile's predictions change at quarter-hours (its hour bins, any time zone).
+FORECAST_STEP_S = 900.0
 
 
 class InferenceStore(ReclaimStore, Protocol):
@@ -143,6 +152,10 @@ class InferenceTick:
     envelope: Envelope
     plan: ReplicaPlan
     reclaim: ReclaimPlan | None = None
+    #: Something this tick did finishes only at a later tick (a drain, a retried action).
+    changed: bool = False
+    #: The earliest time a decision changes with no new event or load (None: none pending).
+    next_due: float | None = None
 
 
 class InferenceController:
@@ -203,7 +216,8 @@ class InferenceController:
 
     def tick(self, now: float, *, running: tuple[RunningStep, ...]) -> InferenceTick:
         step_gpus = frozenset(GpuRef(r.node, g) for r in running for g in r.gpus)
-        self._apply_events(self.manager.poll(now), now)
+        events = self.manager.poll(now)
+        self._apply_events(events, now)
         records = {r.id: r for r in self.store.replicas()}
         decisions: dict[str, ScaleDecision] = {}
         inputs: list[ServiceLendingInput] = []
@@ -269,12 +283,17 @@ class InferenceController:
         plan = plan_replicas(views, self.nodes, busy, now)
         for name in self.services:
             self.status[name].blocked = "; ".join(b.reason for b in plan.blocked if b.service == name)
+        # A drain ends (or an action is retried) at a later tick; everything else this tick starts
+        # reports back through the service manager's events.
+        follow_up = any(a.kind in ("drain", "undrain") for a in plan.actions)
         for action in plan.actions:
             try:
                 self._act(action, records, now)
             except (StaleState, GpuBusy) as exc:
+                follow_up = True
                 log.info("%s %s skipped: %s", action.kind, action.replica_id, exc)
             except Exception:
+                follow_up = True
                 log.exception("%s of %s failed", action.kind, action.replica_id)
         records = {r.id: r for r in self.store.replicas()}
         self._sync_gateway(records)
@@ -300,11 +319,44 @@ class InferenceController:
         )
         everything = frozenset(g for n in self.nodes for g in n.refs())
         result = InferenceTick(
-            unavailable=everything - offered - step_gpus, envelope=env, plan=plan, reclaim=reclaim
+            unavailable=everything - offered - step_gpus,
+            envelope=env,
+            plan=plan,
+            reclaim=reclaim,
+            changed=follow_up,
+            next_due=self._next_due(now, decisions, records.values()),
         )
         self.last = result
         self._save_profiles(now)
         return result
+
+    def _next_due(self, now: float, decisions: Mapping[str, ScaleDecision], records: Any) -> float | None:
+        """When this side must decide again although nothing was observed to change: a waiting
+        scale-down, a lending window edge, a failed replica's restart, a reclaim to abandon, the
+        forecast horizon reaching the next quarter-hour (docs/architecture.md §4, "event time")."""
+        times = [
+            t
+            for name, d in decisions.items()
+            if (t := next_decision_at(d, self.services[name].spec)) is not None
+        ]
+        times += [r.retry_at for r in records if r.state == R.FAILED and r.retry_at and r.retry_at > now]
+        edge = next_lending_edge(now, self.lending)
+        if edge is not None:
+            times.append(edge)
+        due = self.reclaimer.next_due(now)
+        if due is not None:
+            times.append(due)
+        # The growth reserve changes as readings leave the slope's window.
+        horizon = max(60.0, self.lending.reclaim_lead_s)
+        times += [
+            h[0][0] + horizon for h in self._needed_history.values() if len(h) > 1 and h[0][0] + horizon > now
+        ]
+        if self.lending.mode == "forecast":
+            horizon = now + self.lending.reclaim_lead_s
+            times.append(
+                (math.floor(horizon / FORECAST_STEP_S) + 1) * FORECAST_STEP_S - self.lending.reclaim_lead_s
+            )
+        return min(times, default=None)
 
     # -- observe -------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The control loop: observe → snapshot → decide → act, once per tick (DESIGN §3).
+"""The control loop: observe → snapshot → decide → act, once per tick (docs/architecture.md §4).
 
 observe: exits reported by the executor, notices owed to cancelled steps, new checkpoints.
 snapshot: the store builds an immutable `Snapshot` with `now` from the injected clock.
@@ -17,6 +17,7 @@ tick, or touch SQL, processes or files except through its ports.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -34,7 +35,7 @@ from lowtide.control.executor_port import (
     LaunchRequest,
     ProcessIdentity,
 )
-from lowtide.control.inference import InferenceController
+from lowtide.control.inference import InferenceController, InferenceTick
 from lowtide.control.ports import ArtifactPort, StorePort
 from lowtide.control.records import AttemptLaunch, ExitContext, GpuBusy, NoticeDue, StaleState
 from lowtide.domain.gpus import Node
@@ -54,8 +55,8 @@ from lowtide.policy.scheduler import SchedulerPolicy, decide
 log = logging.getLogger("lowtide.loop")
 _T = TypeVar("_T")
 
-#: Re-examine every active job's DAG this often (in ticks), besides those touched by events.
-FULL_DAG_SWEEP_TICKS = 30
+#: Re-examine every active job's DAG this often (seconds), besides those touched by events.
+FULL_DAG_SWEEP_S = 60.0
 #: The shortest time between the end of a tick and a tick that `wake()` brought forward.
 MIN_WAKE_GAP_S = 0.05
 LATEST_MAX_BYTES = 4096
@@ -81,6 +82,12 @@ class TickReport:
     waiting: int = 0
     errors: int = 0
     duration_s: float = 0.0
+    #: Something this tick did settles only at the next one (a drain, a failed item): tick soon.
+    active: bool = False
+    #: The earliest time a decision changes with nothing new observed: a retry backoff ending,
+    #: a waiting scale-down, a window edge (None: nothing pending). Observation (metrics, exits)
+    #: is paced by the caller; see docs/architecture.md §4.
+    next_due: float | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,7 @@ class ControlLoop:
         self._dirty_jobs: set[str] = set()
         self._checkpoint_polled: dict[int, float] = {}
         self._bad_latest: dict[int, str] = {}
+        self._swept_at = -math.inf
         self._ticks = 0
         self.errors_total = 0
         self._wake = threading.Event()
@@ -189,6 +197,8 @@ class ControlLoop:
         snapshot = self.store.snapshot(
             now=now, nodes=self.settings.nodes, half_life_s=self.settings.scheduler.fair_share.half_life_s
         )
+        due_times = [q.eligible_at for q in snapshot.queued if q.eligible_at > now]
+        inference: InferenceTick | None = None
         if self.inference is not None:
             running = snapshot.running
             inference = self._guard(
@@ -204,6 +214,10 @@ class ControlLoop:
                 else frozenset(g for n in self.settings.nodes for g in n.refs())
             )
             snapshot = replace(snapshot, unavailable=unavailable)
+            if inference is not None:
+                report.active = inference.changed
+                if inference.next_due is not None:
+                    due_times.append(inference.next_due)
 
         # Notice to steps being cancelled or preempted (the inference side may just have asked).
         dues: list[NoticeDue] = self._guard(report, "notices", self.store.notices_due, [])
@@ -226,6 +240,10 @@ class ControlLoop:
                 log.exception("starting %s/%s failed", start.job_id, start.step)
         report.waiting = len(plan.waiting)
         self._guard(report, "waiting reasons", lambda: self._write_reasons(plan), None)
+        # Exits, notices and starts are settled within this tick; what is not (a failed item, a
+        # launch failure whose job is advanced next tick, a drain) asks for another tick soon.
+        report.active = report.active or bool(report.errors or self._dirty_jobs)
+        report.next_due = min(due_times, default=None)
 
         self._ticks += 1
         self.errors_total += report.errors
@@ -361,7 +379,8 @@ class ControlLoop:
         self.store.record_checkpoint(attempt_id, label=label, progress=None, source="file", now=now)
 
     def _advance_dirty(self, now: float) -> None:
-        if self._ticks % FULL_DAG_SWEEP_TICKS == 0:
+        if now - self._swept_at >= FULL_DAG_SWEEP_S or now < self._swept_at:
+            self._swept_at = now
             self._dirty_jobs.clear()
             self._advance(None, now)
         elif self._dirty_jobs:

@@ -68,6 +68,7 @@ class Reclaimer:
     surge_at: dict[str, float] = field(default_factory=dict)
     last_plan: ReclaimPlan | None = None
     _growing: str | None = None
+    _abandon_at: float | None = None
 
     def tick(
         self,
@@ -93,10 +94,16 @@ class Reclaimer:
         )
         self._track(now, replicas)
         needs = self._needs(now, replicas, replica_plan)
+        active_lent = sum(len(s.gpus) for s in running if not s.stopping)
+        if not needs and active_lent <= envelope.lendable_gpus:
+            # Nothing is missing and nothing is over the envelope: `plan_reclaim` would choose no
+            # victim, so skip building its request (the common tick).
+            plan = ReclaimPlan()
+            self.last_plan = plan
+            return plan
         held = frozenset(g for r in replicas.values() for g in _refs(r) if r.state in _HOLDING)
         busy = held | {GpuRef(s.node, g) for s in running for g in s.gpus}
         free = frozenset(g for n in self.nodes for g in n.refs() if g not in busy)
-        active_lent = sum(len(s.gpus) for s in running if not s.stopping)
         request = ReclaimRequest(
             now=now,
             nodes=self.nodes,
@@ -110,6 +117,10 @@ class Reclaimer:
         if plan.victims:
             self._preempt(plan, needs, now)
         return plan
+
+    def next_due(self, now: float) -> float | None:
+        """When an open reclaim whose GPUs are free must be abandoned (None: none pending)."""
+        return self._abandon_at if self._abandon_at is not None and self._abandon_at > now else None
 
     # -- needs ---------------------------------------------------------------------------------
 
@@ -186,6 +197,7 @@ class Reclaimer:
 
     def _track(self, now: float, replicas: Mapping[str, ReplicaRecord]) -> None:
         """Fill in notice / freed / healthy times of open reclaims from what the store says."""
+        abandon: list[float] = []
         for rec in self.store.reclaims(state=ReclaimState.OPEN):
             times = self.store.attempt_times(rec.victims)
             phases: dict[str, object] = {}
@@ -213,11 +225,14 @@ class Reclaimer:
                     phases["state"] = ReclaimState.DONE
                 elif isinstance(freed_at, float) and now - freed_at > ABANDON_AFTER_S:
                     phases["state"] = ReclaimState.ABANDONED
+                elif isinstance(freed_at, float):
+                    abandon.append(freed_at + ABANDON_AFTER_S + 1.0)
             if phases:
                 try:
                     self.store.update_reclaim(rec.id, **phases)
                 except StaleState:
                     log.info("reclaim %s ended meanwhile; phases not recorded", rec.id)
+        self._abandon_at = min(abandon, default=None)
 
 
 _HOLDING = frozenset({R.STARTING, R.SERVING, R.DRAINING, R.PARKING, R.WAKING})

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, order=True, slots=True)
@@ -22,13 +22,18 @@ class Node:
 
     name: str
     gpus: tuple[int, ...]
+    _refs: tuple[GpuRef, ...] = field(init=False, repr=False, compare=False, default=())
+
+    def __post_init__(self) -> None:
+        # Built once: policies ask for every GPU of the pool several times a tick.
+        object.__setattr__(self, "_refs", tuple(GpuRef(self.name, i) for i in self.gpus))
 
     @property
     def gpu_count(self) -> int:
         return len(self.gpus)
 
     def refs(self) -> tuple[GpuRef, ...]:
-        return tuple(GpuRef(self.name, i) for i in self.gpus)
+        return self._refs
 
 
 def cuda_visible_devices(indices: tuple[int, ...]) -> str:

@@ -1,5 +1,5 @@
 """Inference services as values: what a service is, how it scales, how it parks, and when GPUs may
-be lent (DESIGN §2: service, replica, desired replicas, envelope, park/unpark, window).
+be lent (docs/architecture.md §2: service, replica, desired replicas, envelope, park/unpark, window).
 
 Built from `config.ServiceConfig` / `config.LendingConfig` by `wiring`; consumed by the pure
 policies (`policy.autoscale`, `policy.lending`) and the loop. Must not: do I/O or read the clock.
@@ -26,6 +26,8 @@ class AutoscaleTargets:
     scale_up_window_s: float = 30.0  # recommendations are maxed over this window to go up fast
     scale_down_stabilization_s: float = 300.0  # ... and over this one before going down
     tolerance: float = 0.1  # ignore changes within ±10 % of the current replica count
+    #: scale down only to a count that carries the load at (1 − this) of each target
+    scale_down_tolerance: float = 0.1
 
 
 @dataclass(frozen=True, slots=True)

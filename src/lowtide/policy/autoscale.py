@@ -31,6 +31,12 @@ defaults in brackets). Only *fresh* replicas count: a stale replica's numbers ar
     needed       = up if up > previous needed; else down if down < previous needed (and no guard
                    forbids it); else previous needed — then clamped to [min_replicas, max_replicas]
     desired      = min(max_replicas, needed + headroom_replicas)
+    flap guard   : a replica's load grows faster than linearly when one is removed (batching), so
+                   n → n−1 can look right and be wrong (n−1 asks for n again). When a scale-down
+                   from n is undone within 2 stabilisation windows, needed stays ≥ n until the load
+                   (Σ signal / target, unrounded) is below what it was at that scale-down × (1 −
+                   scale_down_tolerance [0.1]); the simulator found n ↔ n−1 preempting research
+                   every five minutes without it.
 
 Unknown data (no fresh replica reports any signal, or the source failed): `unknown=True`,
 `recommendation=None`, needed and desired stay where they were (never a scale-down on unknown
@@ -82,6 +88,11 @@ class ScaleState:
     history: tuple[tuple[float, int], ...] = ()
     desired: int | None = None
     needed: int | None = None
+    #: The last scale-down: (from needed, the load in replicas' worth then, when).
+    down_from: tuple[int, float, float] | None = None
+    #: After a scale-down had to be undone: (level, load then) — no going below `level` again
+    #: until the load is below that load × (1 − scale_down_tolerance).
+    flap_guard: tuple[int, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +151,7 @@ def decide_scale(
             guard=None,
             unknown=True,
             reason=reason,
-            state=ScaleState(spec.name, history, desired, needed),
+            state=ScaleState(spec.name, history, desired, needed, state.down_from, state.flap_guard),
         )
 
     raw = max(known)
@@ -165,14 +176,35 @@ def decide_scale(
 
     up = max(r for at, r in history if at >= now - t.scale_up_window_s)
     down = max(r for at, r in history if at >= now - t.scale_down_stabilization_s)
+    worth = _worth(spec, fresh)
+    flap_guard = state.flap_guard
+    if flap_guard is not None and (
+        prev_needed > flap_guard[0] or worth < flap_guard[1] * (1 - t.scale_down_tolerance)
+    ):
+        flap_guard = None  # grown past it, or the load fell clearly below what misled us
     if up > prev_needed:
         needed = up
     elif down < prev_needed and not guards:
         needed = down
+        if flap_guard is not None and needed < flap_guard[0] <= prev_needed:
+            guards.append(
+                f"flap guard: {flap_guard[0]} replicas until the load is below "
+                f"{_num(flap_guard[1] * (1 - t.scale_down_tolerance))} replicas' worth "
+                f"(now {_num(worth)}; going below it was undone before)"
+            )
+            needed = flap_guard[0]
     else:
         needed = prev_needed
     needed = _clamp(needed, lo, hi)
     desired = _desired(needed, headroom, hi)
+    down_from = state.down_from
+    if needed < prev_needed:
+        down_from = (prev_needed, worth, now)
+    elif needed > prev_needed and down_from is not None:
+        level, load_then, at = down_from
+        if needed >= level and now - at <= 2 * t.scale_down_stabilization_s:
+            flap_guard = (level, load_then)  # the scale-down was a mistake: do not repeat it
+        down_from = None
 
     window = _num(t.scale_down_stabilization_s)
     if needed > prev_needed:
@@ -199,7 +231,7 @@ def decide_scale(
         guard="; ".join(guards) or None,
         unknown=False,
         reason=reason,
-        state=ScaleState(spec.name, history, desired, needed),
+        state=ScaleState(spec.name, history, desired, needed, down_from, flap_guard),
     )
 
 
@@ -250,6 +282,25 @@ def _signals(spec: ServiceSpec, fresh: Sequence[ReplicaSignals]) -> tuple[dict[s
     return per, parts
 
 
+def _worth(spec: ServiceSpec, fresh: Sequence[ReplicaSignals]) -> float:
+    """The load in replicas' worth, unrounded: the largest known Σ signal / target (0: none)."""
+    t = spec.autoscale
+    values = []
+    if t.concurrency_per_replica is not None:
+        total = _total(fresh, lambda r: r.concurrency)
+        if total is not None:
+            values.append(total / t.concurrency_per_replica)
+    if t.kv_usage is not None:
+        total = _total(fresh, lambda r: r.kv_usage)
+        if total is not None:
+            values.append(total / t.kv_usage)
+    if t.generation_tokens_per_s_per_replica is not None:
+        total = _total(fresh, lambda r: r.generation_tokens_per_s)
+        if total is not None:
+            values.append(total / (t.generation_tokens_per_s_per_replica * t.token_utilization))
+    return max(values, default=0.0)
+
+
 def _total(fresh: Sequence[ReplicaSignals], get: Callable[[ReplicaSignals], float | None]) -> float | None:
     """Σ over the fresh replicas, None when there are none or any of them does not know it."""
     values = [get(r) for r in fresh]
@@ -296,3 +347,21 @@ def _num(x: float) -> str:
     if abs(x) < 1:
         return f"{x:.3g}"
     return f"{x:.2f}".rstrip("0").rstrip(".")
+
+
+def next_decision_at(decision: ScaleDecision, spec: ServiceSpec) -> float | None:
+    """When this decision could change if the load stayed as it is now (None: not on its own).
+
+    Only a waiting scale-down changes with time alone: `needed` drops once every history entry
+    at or above it has left the stabilisation window. The caller (the loop, the simulator) need
+    not decide again before then unless the load or the supply changes.
+    """
+    rec = decision.recommendation
+    if rec is None or decision.guard is not None or rec >= decision.needed:
+        return None
+    if decision.needed <= spec.min_replicas:
+        return None
+    holding = [at for at, r in decision.state.history if r >= decision.needed]
+    if not holding:
+        return None
+    return max(holding) + spec.autoscale.scale_down_stabilization_s

@@ -313,3 +313,24 @@ def _num(x: float) -> str:
     if abs(x) < 1:
         return f"{x:.3g}"
     return f"{x:.2f}".rstrip("0").rstrip(".")
+
+
+def next_lending_edge(now: float, policy: LendingPolicy) -> float | None:
+    """The next instant after `now` at which the window mode's envelope changes on its own: a
+    window opens, or new lending stops at close − lead (None: not window mode, or no edge)."""
+    if policy.mode != "window":
+        return None
+    try:
+        zone = ZoneInfo(policy.timezone)
+    except (ZoneInfoNotFoundError, ValueError):
+        return None
+    windows = [w for w in policy.windows if _valid(w)]
+    if not windows or _covers_day(windows):
+        return None
+    edges = [
+        t
+        for start, end in window_intervals(now, windows, zone)
+        for t in (start, end - policy.reclaim_lead_s, end)
+        if t > now + _EPS
+    ]
+    return min(edges, default=None)
