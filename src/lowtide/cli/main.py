@@ -26,6 +26,7 @@ from lowtide.cli.loadgen_cmd import loadgen_app
 from lowtide.cli.metrics_cmd import metrics_app
 from lowtide.cli.output import console
 from lowtide.cli.report_cmd import gpu_time, lost_work_line, report_command
+from lowtide.cli.simulate_cmd import simulate_app
 from lowtide.config import ConfigError, Settings, load_settings
 
 app = typer.Typer(
@@ -40,6 +41,7 @@ app.add_typer(token_app, name="token")
 app.add_typer(metrics_app, name="metrics", help="Read vLLM /metrics the way lowtide does.")
 app.add_typer(emulate_app, name="emulate", help="Emulated inference servers for machines without GPUs.")
 app.add_typer(loadgen_app, name="loadgen")
+app.add_typer(simulate_app, name="simulate", help="Simulate lending on a virtual clock over real traces.")
 
 
 out = console()

@@ -1,0 +1,77 @@
+"""The oracle: what a policy that knew the future load exactly could lend (an upper bound).
+
+For every stretch of constant load, each service needs the fewest replicas whose modelled
+per-replica load stays within the autoscaler's own targets (concurrency and KV per replica, no
+overload), within [min_replicas, max_replicas], plus its headroom replicas; every other GPU of
+the pool is idle and could be lent at no cost (no lead time, no notice, no restart). Integrated
+over the run this is `oracle_idle_gpu_hours`, the most any policy can harvest; research demand
+may bound a real harvest below it. `oracle` in a comparison is this bound, not a loop run.
+Neighbours: `sim.capacity` (the model), `sim.summary` (reports it). Must not: run the loop, read
+files or the clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from lowtide.sim.capacity import steady_state
+from lowtide.sim.scenario import SimService
+
+_EPS = 1e-9
+
+
+def needed_replicas(service: SimService, rate_rps: float) -> int:
+    """Replicas the service needs at a steady `rate_rps`, headroom included (see the docstring).
+
+    The fewest n in [min_replicas, max_replicas] that the autoscaler would keep at this load: not
+    overloaded, within the TTFT SLO guard when one is set, and each signal's recommendation
+    (⌈Σ concurrency / target⌉, ⌈Σ KV usage / target⌉) within the autoscaler's tolerance band of
+    n (it does not move inside ±tolerance). That is the most lending the production autoscaler
+    allows at this load, so no policy harvests more than the bound in steady state.
+    """
+    spec = service.setup.spec
+    targets = spec.autoscale
+    need = spec.max_replicas
+    for n in range(max(spec.min_replicas, 0), spec.max_replicas + 1):
+        if n == 0:
+            if rate_rps <= 0:
+                need = 0
+                break
+            continue
+        load = steady_state(service.capacity, rate_rps, n)
+        if load.overloaded:
+            continue
+        if targets.ttft_p90_slo_s is not None and load.ttft_p90_s > targets.ttft_p90_slo_s:
+            continue
+        raws = []
+        if targets.concurrency_per_replica is not None:
+            raws.append(math.ceil(n * (load.running + load.waiting) / targets.concurrency_per_replica - _EPS))
+        if targets.kv_usage is not None:
+            raws.append(math.ceil(n * load.kv_usage / targets.kv_usage - _EPS))
+        raw = max(raws, default=n)
+        if raw - n <= targets.tolerance * n + _EPS:
+            need = n
+            break
+    return min(spec.max_replicas, need + spec.headroom_replicas)
+
+
+def oracle_idle_gpu_seconds(services: Sequence[SimService], pool_gpus: int, duration_s: float) -> float:
+    """∫ (pool − Σ needed × gpus_per_replica)⁺ dt over [0, duration_s) (curve time)."""
+    cache: dict[tuple[str, float], int] = {}
+    total = 0.0
+    t = 0.0
+    while t < duration_s:
+        nxt = min([duration_s, *(s.curve.next_change_after(t) for s in services)])
+        held = 0
+        for s in services:
+            rate = s.curve.rate_at(t)
+            key = (s.name, rate)
+            if key not in cache:
+                cache[key] = needed_replicas(s, rate)
+            held += cache[key] * s.setup.spec.gpus_per_replica
+        total += max(0, pool_gpus - held) * (nxt - t)
+        if not math.isfinite(nxt) or nxt <= t:
+            break
+        t = nxt
+    return total

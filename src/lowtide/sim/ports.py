@@ -1,0 +1,273 @@
+"""Fake ports for the simulator: research steps, replicas and metrics on a virtual clock.
+
+`SimExecutor` implements `control.executor_port.Executor`: a step needs `work_s` seconds of GPU
+work; each attempt first spends `restart_s` loading (no progress), then progresses one second per
+second and checkpoints every `checkpoint_every_s` of progress. On notice it writes a checkpoint in
+`checkpoint_write_s` and exits 143 (non-zero: interrupted, docs/architecture.md §6); if the grace
+is shorter than that it is killed at the deadline and resumes from its last periodic checkpoint. A
+resumed attempt starts from the checkpoint the store told it about (`LOWTIDE_RESUME_FROM`), as a
+real step would, never from the simulator's own memory.
+`SimServiceManager` implements `control.inference_ports.ServiceManager`: a cold start is healthy
+after `startup_s`, a wake after `wake_s`, a park completes after `park_s`; events carry their exact
+time. `SimMetrics` implements `MetricsSource` from `sim.capacity` at the load curve's current rate.
+Each port also says when its next event is due (`next_event`), so the simulator can jump to it.
+Neighbours: `sim.world` builds and drives them. Must not: decide anything (the production loop
+does), read the wall clock, or import real adapters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from lowtide.control.executor_port import (
+    AdoptOutcome,
+    AdoptRequest,
+    AdoptResult,
+    AttemptExit,
+    LaunchRequest,
+    ProcessIdentity,
+)
+from lowtide.control.inference_ports import ReplicaEvent, ReplicaLaunch
+from lowtide.domain.metrics import ServiceSignals
+from lowtide.domain.services import ParkMode
+from lowtide.sim.capacity import ReplicaCapacity, ServiceLoadState, current_load, service_signals
+from lowtide.sim.load import LoadCurve
+
+#: Exit code of a step that checkpointed and left on notice (128 + SIGTERM, as shells report it).
+INTERRUPTED_EXIT = 143
+_SIGKILL = 9
+_LABEL_PREFIX = "p"
+
+
+def checkpoint_label(progress_s: float) -> str:
+    """The label a simulated step writes: its progress in whole seconds (``p3600``)."""
+    return f"{_LABEL_PREFIX}{math.floor(progress_s)}"
+
+
+def progress_of(resume_from: str | None) -> float:
+    """Progress recorded in a resume URI (``.../checkpoints/p3600`` → 3600.0); 0 without one."""
+    if not resume_from:
+        return 0.0
+    tail = resume_from.rstrip("/").rsplit("/", 1)[-1]
+    if tail.startswith(_LABEL_PREFIX) and tail[1:].isdigit():
+        return float(tail[1:])
+    return 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StepBehaviour:
+    """How a simulated research step works and stops."""
+
+    work_s: float
+    restart_s: float = 120.0
+    checkpoint_every_s: float = 1800.0
+    checkpoint_write_s: float = 20.0
+
+
+@dataclass
+class _Attempt:
+    request: LaunchRequest
+    behaviour: StepBehaviour
+    started_at: float
+    saved_s: float  # progress at start (resumed from a checkpoint)
+    exit_at: float
+    exit_code: int | None = 0
+    signal: int | None = None
+    killed: bool = False
+    notice_ckpt: tuple[float, float] | None = None  # (at, progress) of the checkpoint written on notice
+    recorded_s: float = -1.0  # progress of the last checkpoint reported to the store
+
+    def progress(self, t: float) -> float:
+        ran = max(0.0, t - self.started_at - self.behaviour.restart_s)
+        return min(self.behaviour.work_s, self.saved_s + ran)
+
+    def periodic_checkpoint(self, t: float) -> float | None:
+        """Progress of the last periodic checkpoint at or before `t` in this attempt (None: none)."""
+        every = self.behaviour.checkpoint_every_s
+        if every <= 0:
+            return None
+        done = self.progress(t)
+        last = math.floor(done / every) * every
+        return last if last > self.saved_s else None
+
+
+@dataclass
+class SimExecutor:
+    """Research steps as arithmetic (see the module docstring)."""
+
+    behaviours: dict[str, StepBehaviour] = field(default_factory=dict)  # job id → behaviour
+    running: dict[int, _Attempt] = field(default_factory=dict)
+    launches: int = 0
+
+    def launch(self, request: LaunchRequest, now: float) -> ProcessIdentity:
+        behaviour = self.behaviours[request.job_id]
+        saved = min(behaviour.work_s, progress_of(request.env.get("LOWTIDE_RESUME_FROM")))
+        exit_at = now + behaviour.restart_s + (behaviour.work_s - saved)
+        self.running[request.attempt_id] = _Attempt(request, behaviour, now, saved, exit_at)
+        self.launches += 1
+        return ProcessIdentity(pid=1_000_000 + request.attempt_id, started_at=now)
+
+    def notify_stop(self, attempt_id: int, deadline: float, now: float) -> None:
+        att = self.running.get(attempt_id)
+        if att is None or att.notice_ckpt is not None or att.killed or att.exit_code != 0:
+            return
+        write_done = now + att.behaviour.checkpoint_write_s
+        if write_done >= att.exit_at:
+            return  # it finishes before it could checkpoint: exit 0 stands
+        if write_done <= deadline:
+            att.notice_ckpt = (write_done, att.progress(now))
+            att.exit_at, att.exit_code = write_done, INTERRUPTED_EXIT
+        else:
+            att.exit_at, att.exit_code, att.signal, att.killed = deadline, None, _SIGKILL, True
+
+    def checkpoints_due(self, now: float) -> list[tuple[int, str, float]]:
+        """(attempt id, label, when) of each attempt's newest checkpoint not yet reported, up to
+        `now`: the simulator reports them the way a step calls the API."""
+        out: list[tuple[int, str, float]] = []
+        for aid, att in self.running.items():
+            when_progress: tuple[float, float] | None = None
+            if att.notice_ckpt is not None and att.notice_ckpt[0] <= now:
+                when_progress = att.notice_ckpt
+            else:
+                t = min(now, att.exit_at)
+                periodic = att.periodic_checkpoint(t)
+                if periodic is not None:
+                    at = att.started_at + att.behaviour.restart_s + (periodic - att.saved_s)
+                    when_progress = (at, periodic)
+            if when_progress is not None and when_progress[1] > att.recorded_s:
+                att.recorded_s = when_progress[1]
+                out.append((aid, checkpoint_label(when_progress[1]), when_progress[0]))
+        return out
+
+    def poll(self, now: float) -> list[AttemptExit]:
+        out = []
+        for aid, att in list(self.running.items()):
+            if att.exit_at <= now:
+                out.append(
+                    AttemptExit(aid, att.exit_code, att.signal, att.exit_at, killed_at_deadline=att.killed)
+                )
+                del self.running[aid]
+        return out
+
+    def next_event(self) -> float | None:
+        return min((a.exit_at for a in self.running.values()), default=None)
+
+    def adopt(self, request: AdoptRequest, now: float) -> AdoptResult:
+        if request.attempt_id in self.running:
+            return AdoptResult(AdoptOutcome.ADOPTED)
+        return AdoptResult(AdoptOutcome.LOST)
+
+    def reap_orphans(self, known_attempt_ids: set[int]) -> list[int]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaTimes:
+    """How long a simulated replica takes to change phase."""
+
+    startup_s: float = 120.0
+    wake_s: float = 10.0
+    park_sleep_s: float = 3.0
+    park_stop_s: float = 5.0
+
+
+@dataclass
+class _Replica:
+    phase: str  # starting | waking | healthy | parking-sleep | parking-stop | asleep
+    due: float | None  # when the current phase change completes
+
+
+@dataclass
+class SimServiceManager:
+    times: Mapping[str, ReplicaTimes]  # service → times
+    replicas: dict[str, _Replica] = field(default_factory=dict)
+    cold_starts: int = 0
+    wakes: int = 0
+
+    def _times(self, replica_id: str) -> ReplicaTimes:
+        return self.times[replica_id.rsplit("/", 1)[0]]
+
+    def start(self, launch: ReplicaLaunch, now: float) -> None:
+        self.replicas[launch.replica_id] = _Replica(
+            "starting", now + self._times(launch.replica_id).startup_s
+        )
+        self.cold_starts += 1
+
+    def park(self, replica_id: str, mode: ParkMode, now: float) -> None:
+        t = self._times(replica_id)
+        self.replicas[replica_id] = _Replica(
+            f"parking-{mode}", now + (t.park_sleep_s if mode == "sleep" else t.park_stop_s)
+        )
+
+    def unpark(self, replica_id: str, now: float) -> None:
+        rep = self.replicas.get(replica_id)
+        t = self._times(replica_id)
+        if rep is not None and rep.phase == "asleep":
+            self.replicas[replica_id] = _Replica("waking", now + t.wake_s)
+            self.wakes += 1
+        else:
+            self.replicas[replica_id] = _Replica("starting", now + t.startup_s)
+            self.cold_starts += 1
+
+    def poll(self, now: float) -> list[ReplicaEvent]:
+        events: list[ReplicaEvent] = []
+        for rid, rep in sorted(self.replicas.items()):
+            if rep.due is None or rep.due > now:
+                continue
+            if rep.phase in ("starting", "waking"):
+                events.append(ReplicaEvent(rid, "healthy", rep.due))
+                self.replicas[rid] = _Replica("healthy", None)
+            elif rep.phase == "parking-sleep":
+                events.append(ReplicaEvent(rid, "asleep", rep.due))
+                self.replicas[rid] = _Replica("asleep", None)
+            elif rep.phase == "parking-stop":
+                events.append(ReplicaEvent(rid, "stopped", rep.due))
+                del self.replicas[rid]
+        return events
+
+    def next_event(self) -> float | None:
+        return min((r.due for r in self.replicas.values() if r.due is not None), default=None)
+
+    def url(self, replica_id: str) -> str | None:
+        return f"sim://{replica_id}" if replica_id in self.replicas else None
+
+    def adopt(self, replica_id: str, launch: ReplicaLaunch, now: float) -> bool:
+        return replica_id in self.replicas
+
+    def reap_orphans(self, known_ids: set[str]) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class SimMetrics:
+    """A service's metrics as the capacity model gives them at the curve's current rate, with the
+    backlog the world carries over from overloaded stretches (`state`, kept by `sim.world`).
+    `start` is the epoch of the curve's t = 0."""
+
+    curve: LoadCurve
+    capacity: ReplicaCapacity
+    start: float
+    state: ServiceLoadState = field(default_factory=ServiceLoadState)
+
+    def collect(self, service: str, replicas: Mapping[str, str], now: float) -> ServiceSignals:
+        load = current_load(self.state, self.capacity, self.curve.rate_at(now - self.start), len(replicas))
+        return service_signals(service, load, tuple(sorted(replicas)), now)
+
+
+class NoArtifacts:
+    """The artifact port of a world without files: nothing to prepare, no LATEST to read (steps
+    report checkpoints through the store, as the API does)."""
+
+    def ensure_dir(self, uri: str) -> None:
+        pass
+
+    def read_text(self, uri: str, *, max_bytes: int) -> str | None:
+        return None

@@ -1,0 +1,80 @@
+"""Run a scenario under one or several lending policies and collect their summaries.
+
+`simulate` runs the `none` baseline (services pinned at max, nothing lent) and then the chosen
+policy on the same fleet, load, jobs and seed, and returns the policy's summary with the
+baseline's figures inside it; `oracle` is the bound of `sim.oracle`, not a run. `compare` does
+the same for several policies, sharing one baseline and one oracle computation.
+Neighbours: `cli.simulate_cmd`, `benchmarks/simulate.py`, the simulator tests.
+Must not: print or write files (the callers do).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lowtide.sim.oracle import oracle_idle_gpu_seconds
+from lowtide.sim.scenario import PolicyName, Scenario, policy_variant
+from lowtide.sim.summary import baseline_figures, oracle_summary, summarize
+from lowtide.sim.world import RunTrace, SimWorld
+
+
+@dataclass
+class PolicyRun:
+    policy: PolicyName
+    summary: dict[str, Any]
+    world: SimWorld | None  # None for the oracle (no run)
+    trace: RunTrace | None
+    wall_s: float
+
+
+def run_one(
+    scenario: Scenario,
+    policy: PolicyName,
+    *,
+    oracle_s: float,
+    price: float,
+    currency: str,
+    baseline: dict[str, Any] | None,
+) -> PolicyRun:
+    started = time.perf_counter()
+    world = SimWorld(policy_variant(scenario, policy))
+    trace = world.run()
+    summary = summarize(
+        world, trace, oracle_idle_s=oracle_s, price_per_gpu_hour=price, currency=currency, baseline=baseline
+    )
+    wall = time.perf_counter() - started
+    summary["wall_s"] = wall
+    summary["simulated_s_per_wall_s"] = scenario.days * 86400.0 / wall if wall > 0 else None
+    return PolicyRun(policy, summary, world, trace, wall)
+
+
+def compare(
+    scenario: Scenario, policies: Sequence[PolicyName], *, price: float = 0.0, currency: str = "USD"
+) -> list[PolicyRun]:
+    """Every policy in `policies`, in that order, on the same scenario (see the module docstring)."""
+    oracle_s = oracle_idle_gpu_seconds(scenario.services, scenario.pool_gpus, scenario.days * 86400.0)
+    none = run_one(scenario, "none", oracle_s=oracle_s, price=price, currency=currency, baseline=None)
+    base = baseline_figures(none.summary)
+    runs: list[PolicyRun] = []
+    for policy in policies:
+        if policy == "none":
+            runs.append(none)
+        elif policy == "oracle":
+            summary = oracle_summary(none.summary, oracle_s)
+            summary["baseline_none"] = base
+            summary["slo_violation_minutes"] = base["slo_violation_minutes"]
+            runs.append(PolicyRun("oracle", summary, None, None, 0.0))
+        else:
+            runs.append(
+                run_one(scenario, policy, oracle_s=oracle_s, price=price, currency=currency, baseline=base)
+            )
+    return runs
+
+
+def simulate(
+    scenario: Scenario, policy: PolicyName, *, price: float = 0.0, currency: str = "USD"
+) -> PolicyRun:
+    return compare(scenario, [policy], price=price, currency=currency)[0]
