@@ -99,7 +99,9 @@ def print_table(runs: list[PolicyRun]) -> None:
         table.add_row(escape(run.policy), *(_fmt(s.get(key), pattern) for key, _, pattern in COLUMNS))
     out.print(table)
     first = runs[0].summary
-    base = first.get("baseline_none") or {}
+    base = next((r.summary["baseline_none"] for r in runs if "baseline_none" in r.summary), None) or {
+        "slo_violation_minutes": first.get("slo_violation_minutes", 0.0)
+    }
     out.print(
         f"{first['gpus']} GPUs × {first['days']:g} days = {first['gpu_hours_total']:,.0f} GPU-h; "
         f"oracle idle {first['oracle_idle_gpu_hours']:,.0f} GPU-h; "
