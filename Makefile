@@ -48,6 +48,7 @@ bench: venv
 	$(BIN)/python benchmarks/metrics_ingest.py
 	$(BIN)/python benchmarks/gateway.py
 	$(BIN)/python benchmarks/reclaim.py
+	$(BIN)/python benchmarks/simulate.py
 
 clean:
 	rm -rf $(VENV) .lowtide .lowtide-demo .lowtide-inference .pytest_cache .mypy_cache .ruff_cache benchmarks/results

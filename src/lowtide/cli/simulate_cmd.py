@@ -39,7 +39,8 @@ err = console(stderr=True)
 #: The columns of the comparison table: (summary key, heading, format).
 COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("gpu_hours_harvested", "harvested GPU-h", "{:,.1f}"),
-    ("harvest_efficiency", "of oracle", "{:.1%}"),
+    ("harvest_efficiency", "of idle", "{:.1%}"),
+    ("harvest_efficiency_of_demand", "of oracle", "{:.1%}"),
     ("gpu_hours_lost_to_preemption", "lost GPU-h", "{:,.1f}"),
     ("preemptions", "preemptions", "{:,}"),
     ("slo_violation_minutes", "SLO-violation min", "{:,.1f}"),

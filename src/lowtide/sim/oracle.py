@@ -16,6 +16,7 @@ import math
 from collections.abc import Sequence
 
 from lowtide.sim.capacity import steady_state
+from lowtide.sim.jobs import ResearchJob
 from lowtide.sim.scenario import SimService
 
 _EPS = 1e-9
@@ -75,3 +76,44 @@ def oracle_idle_gpu_seconds(services: Sequence[SimService], pool_gpus: int, dura
             break
         t = nxt
     return total
+
+
+def oracle_harvest_gpu_seconds(
+    services: Sequence[SimService],
+    pool_gpus: int,
+    duration_s: float,
+    jobs: Sequence[ResearchJob],
+    restart_s: float,
+) -> float:
+    """What an oracle could harvest from these jobs: idle GPUs (as above) fed by the jobs' work.
+
+    A fluid bound: each job brings `gpus × (work_s + restart_s)` GPU-seconds when it is submitted
+    (one load is unavoidable); the oracle runs the backlog on every idle GPU, without widths, gang
+    placement, notice or restarts. No policy that runs each job's work once does more; a policy
+    that preempts also spends GPU-time on restarts and lost work, which this does not count.
+    """
+    cache: dict[tuple[str, float], int] = {}
+    arrivals = sorted((j.submit_s, j.gpus * (j.work_s + restart_s)) for j in jobs if j.submit_s < duration_s)
+    backlog = harvested = 0.0
+    t, k = 0.0, 0
+    while t < duration_s:
+        while k < len(arrivals) and arrivals[k][0] <= t:
+            backlog += arrivals[k][1]
+            k += 1
+        nxt = min([duration_s, *(s.curve.next_change_after(t) for s in services)])
+        if k < len(arrivals):
+            nxt = min(nxt, arrivals[k][0])
+        held = 0
+        for s in services:
+            rate = s.curve.rate_at(t)
+            key = (s.name, rate)
+            if key not in cache:
+                cache[key] = needed_replicas(s, rate)
+            held += cache[key] * s.setup.spec.gpus_per_replica
+        run = min(backlog, max(0, pool_gpus - held) * (nxt - t))
+        harvested += run
+        backlog -= run
+        if not math.isfinite(nxt) or nxt <= t:
+            break
+        t = nxt
+    return harvested

@@ -3,7 +3,10 @@
 `simulate` runs the `none` baseline (services pinned at max, nothing lent) and then the chosen
 policy on the same fleet, load, jobs and seed, and returns the policy's summary with the
 baseline's figures inside it; `oracle` is the bound of `sim.oracle`, not a run. `compare` does
-the same for several policies, sharing one baseline and one oracle computation.
+the same for several policies, sharing one baseline and one oracle computation. The oracle gives
+two bounds: the idle GPU-hours (`oracle_idle_gpu_hours`, the denominator of `harvest_efficiency`)
+and what the scenario's jobs could have used of them (`oracle_harvest_gpu_hours`, the `oracle`
+row's harvest and the denominator of `harvest_efficiency_of_demand`).
 Neighbours: `cli.simulate_cmd`, `benchmarks/simulate.py`, the simulator tests.
 Must not: print or write files (the callers do).
 """
@@ -15,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lowtide.sim.oracle import oracle_idle_gpu_seconds
+from lowtide.sim.oracle import oracle_harvest_gpu_seconds, oracle_idle_gpu_seconds
 from lowtide.sim.scenario import PolicyName, Scenario, policy_variant
 from lowtide.sim.summary import baseline_figures, oracle_summary, summarize
 from lowtide.sim.world import RunTrace, SimWorld
@@ -38,12 +41,19 @@ def run_one(
     price: float,
     currency: str,
     baseline: dict[str, Any] | None,
+    oracle_harvest_s: float | None = None,
 ) -> PolicyRun:
     started = time.perf_counter()
     world = SimWorld(policy_variant(scenario, policy))
     trace = world.run()
     summary = summarize(
-        world, trace, oracle_idle_s=oracle_s, price_per_gpu_hour=price, currency=currency, baseline=baseline
+        world,
+        trace,
+        oracle_idle_s=oracle_s,
+        oracle_harvest_s=oracle_harvest_s,
+        price_per_gpu_hour=price,
+        currency=currency,
+        baseline=baseline,
     )
     wall = time.perf_counter() - started
     summary["wall_s"] = wall
@@ -55,7 +65,11 @@ def compare(
     scenario: Scenario, policies: Sequence[PolicyName], *, price: float = 0.0, currency: str = "USD"
 ) -> list[PolicyRun]:
     """Every policy in `policies`, in that order, on the same scenario (see the module docstring)."""
-    oracle_s = oracle_idle_gpu_seconds(scenario.services, scenario.pool_gpus, scenario.days * 86400.0)
+    duration = scenario.days * 86400.0
+    oracle_s = oracle_idle_gpu_seconds(scenario.services, scenario.pool_gpus, duration)
+    harvest_s = oracle_harvest_gpu_seconds(
+        scenario.services, scenario.pool_gpus, duration, scenario.jobs, scenario.steps.restart_s
+    )
     none = run_one(scenario, "none", oracle_s=oracle_s, price=price, currency=currency, baseline=None)
     base = baseline_figures(none.summary)
     runs: list[PolicyRun] = []
@@ -63,13 +77,21 @@ def compare(
         if policy == "none":
             runs.append(none)
         elif policy == "oracle":
-            summary = oracle_summary(none.summary, oracle_s)
+            summary = oracle_summary(none.summary, oracle_s, harvest_s)
             summary["baseline_none"] = base
             summary["slo_violation_minutes"] = base["slo_violation_minutes"]
             runs.append(PolicyRun("oracle", summary, None, None, 0.0))
         else:
             runs.append(
-                run_one(scenario, policy, oracle_s=oracle_s, price=price, currency=currency, baseline=base)
+                run_one(
+                    scenario,
+                    policy,
+                    oracle_s=oracle_s,
+                    oracle_harvest_s=harvest_s,
+                    price=price,
+                    currency=currency,
+                    baseline=base,
+                )
             )
     return runs
 

@@ -23,8 +23,6 @@ import logging
 from dataclasses import dataclass, field
 
 from lowtide.control.clock import FakeClock
-from lowtide.control.inference import InferenceController
-from lowtide.control.loop import ControlLoop, LoopSettings
 from lowtide.control.records import NewJob
 from lowtide.domain.layout import ArtifactLayout
 from lowtide.domain.spec_parse import build_job_spec
@@ -32,6 +30,7 @@ from lowtide.domain.spec_render import render_step
 from lowtide.domain.states import ReplicaState
 from lowtide.policy.outcomes import RetryPolicy
 from lowtide.sim.capacity import advance, slo_violation_s
+from lowtide.sim.harness import LoopHarness
 from lowtide.sim.jobs import ResearchJob
 from lowtide.sim.ports import NoArtifacts, SimExecutor, SimMetrics, SimServiceManager, StepBehaviour
 from lowtide.sim.scenario import Scenario
@@ -75,29 +74,24 @@ class SimWorld:
         self.executor = SimExecutor()
         self.manager = SimServiceManager({s.name: s.times for s in scenario.services})
         self.metrics = {s.name: SimMetrics(s.curve, s.capacity, scenario.start) for s in scenario.services}
-        self.inference = InferenceController(
-            store=self.store,
-            manager=self.manager,
-            sources=dict(self.metrics),
-            gateway=None,
-            services=tuple(s.setup for s in scenario.services),
-            lending=scenario.lending,
+        self.harness = LoopHarness(
             nodes=scenario.nodes,
-        )
-        self.loop = ControlLoop(
+            layout=LAYOUT,
+            clock=self.clock,
             store=self.store,
             executor=self.executor,
             artifacts=NoArtifacts(),
-            clock=self.clock,
-            settings=LoopSettings(
-                nodes=scenario.nodes,
-                layout=LAYOUT,
-                scheduler=scenario.scheduler,
-                retry=RetryPolicy(),
-                checkpoint_poll_s=float("inf"),  # steps report checkpoints through the store
-            ),
-            inference=self.inference,
+            scheduler=scenario.scheduler,
+            retry=RetryPolicy(),
+            checkpoint_poll_s=float("inf"),  # steps report checkpoints through the store
+            services=tuple(s.setup for s in scenario.services),
+            lending=scenario.lending,
+            manager=self.manager,
+            sources=dict(self.metrics),
+            with_inference=True,  # every policy runs the inference side, even with no service
         )
+        self.inference = self.harness.inference
+        self.loop = self.harness.loop
         self.trace = RunTrace(slo_violation_s={s.name: 0.0 for s in scenario.services})
         submit = scenario.policy != "none"  # nothing is lent under `none`: research never runs
         self._jobs = sorted(scenario.jobs, key=lambda j: (j.submit_s, j.name)) if submit else []

@@ -1,0 +1,184 @@
+"""Scripted ports: the caller decides when things happen (tests and hand-written scenarios).
+
+Role: in-memory implementations of the ports of docs/architecture.md §5 that do nothing on their
+own. `FakeExecutor` (`control.executor_port.Executor`) launches instantly; an attempt ends when
+the caller says so (`finish(attempt_id, exit_code)`, reported at the next `poll`), and a stop past
+its deadline is a kill, as with the real executor. `FakeServiceManager` (`ServiceManager`): a
+started or woken replica is healthy at the next poll unless the caller marks it `broken`; parking
+completes at the next poll. `FakeMetrics` (`MetricsSource`) reports the `concurrency` the caller
+set on every replica, or stale signals. `MemoryArtifacts` (`ArtifactPort`) reads `files[uri]`.
+Contrast `sim.ports`, whose ports follow a model (work, restart and park times, a load curve)
+and say when their next event is due.
+Neighbours: `sim.harness.LoopHarness` builds the production loop over them; the tests drive it.
+Must not: decide anything the loop decides, read the wall clock, or import real adapters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from lowtide.control.executor_port import (
+    AdoptOutcome,
+    AdoptRequest,
+    AdoptResult,
+    AttemptExit,
+    LaunchRequest,
+    ProcessIdentity,
+)
+from lowtide.control.inference_ports import ReplicaEvent, ReplicaLaunch
+from lowtide.domain.metrics import ReplicaSignals, ServiceSignals
+from lowtide.domain.services import ParkMode
+
+#: Exit signal of an attempt killed at its stop deadline.
+_SIGKILL = 9
+
+
+@dataclass
+class FakeProcess:
+    request: LaunchRequest
+    started_at: float
+    deadline: float | None = None
+    noticed_at: float | None = None
+
+
+@dataclass
+class FakeExecutor:
+    """The executor port in memory: `launched` and `notices` record what the loop ordered."""
+
+    running: dict[int, FakeProcess] = field(default_factory=dict)
+    pending_exits: dict[int, int] = field(default_factory=dict)
+    launched: list[LaunchRequest] = field(default_factory=list)
+    notices: list[tuple[int, float]] = field(default_factory=list)
+
+    def launch(self, request: LaunchRequest, now: float) -> ProcessIdentity:
+        self.running[request.attempt_id] = FakeProcess(request, now)
+        self.launched.append(request)
+        return ProcessIdentity(pid=100_000 + request.attempt_id, started_at=now)
+
+    def notify_stop(self, attempt_id: int, deadline: float, now: float) -> None:
+        proc = self.running[attempt_id]
+        if proc.deadline is None:
+            proc.deadline, proc.noticed_at = deadline, now
+            self.notices.append((attempt_id, now))
+
+    def finish(self, attempt_id: int, exit_code: int) -> None:
+        """The process exits with `exit_code`; the next poll reports it."""
+        if attempt_id in self.running:
+            self.pending_exits[attempt_id] = exit_code
+
+    def poll(self, now: float) -> list[AttemptExit]:
+        out = []
+        for attempt_id, proc in list(self.running.items()):
+            if attempt_id in self.pending_exits:
+                out.append(AttemptExit(attempt_id, self.pending_exits.pop(attempt_id), None, now))
+                del self.running[attempt_id]
+            elif proc.deadline is not None and now >= proc.deadline:
+                out.append(AttemptExit(attempt_id, None, _SIGKILL, now, killed_at_deadline=True))
+                del self.running[attempt_id]
+        return out
+
+    def adopt(self, request: AdoptRequest, now: float) -> AdoptResult:
+        if request.attempt_id in self.running:
+            return AdoptResult(AdoptOutcome.ADOPTED)
+        return AdoptResult(AdoptOutcome.LOST)
+
+    def reap_orphans(self, known_attempt_ids: set[int]) -> list[int]:
+        orphans = [a for a in self.running if a not in known_attempt_ids]
+        for a in orphans:
+            del self.running[a]
+        return orphans
+
+    def close(self) -> None:
+        pass
+
+
+class MemoryArtifacts:
+    """The artifact port over a dict: `files[uri] = text`."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, str] = {}
+
+    def ensure_dir(self, uri: str) -> None:
+        pass
+
+    def read_text(self, uri: str, *, max_bytes: int) -> str | None:
+        text = self.files.get(uri)
+        if text is not None and len(text.encode()) > max_bytes:
+            raise ValueError("too large")
+        return text
+
+
+@dataclass
+class FakeServiceManager:
+    """Replicas as the caller says: a started or woken replica is healthy at the next poll unless
+    it is in `broken`; parking completes at the next poll."""
+
+    started: list[str] = field(default_factory=list)
+    broken: set[str] = field(default_factory=set)
+    running: dict[str, str] = field(default_factory=dict)  # id -> phase: starting|healthy|parking-*|asleep
+
+    def start(self, launch: ReplicaLaunch, now: float) -> None:
+        self.started.append(launch.replica_id)
+        self.running[launch.replica_id] = "starting"
+
+    def park(self, replica_id: str, mode: ParkMode, now: float) -> None:
+        self.running[replica_id] = f"parking-{mode}"
+
+    def unpark(self, replica_id: str, now: float) -> None:
+        self.running[replica_id] = "starting"
+
+    def poll(self, now: float) -> list[ReplicaEvent]:
+        events = []
+        for rid, phase in list(self.running.items()):
+            if phase == "starting":
+                if rid in self.broken:
+                    events.append(ReplicaEvent(rid, "failed", now, "never became healthy"))
+                    del self.running[rid]
+                else:
+                    events.append(ReplicaEvent(rid, "healthy", now))
+                    self.running[rid] = "healthy"
+            elif phase == "parking-sleep":
+                events.append(ReplicaEvent(rid, "asleep", now))
+                self.running[rid] = "asleep"
+            elif phase == "parking-stop":
+                events.append(ReplicaEvent(rid, "stopped", now))
+                del self.running[rid]
+        return events
+
+    def url(self, replica_id: str) -> str | None:
+        return f"http://fake/{replica_id}" if replica_id in self.running else None
+
+    def adopt(self, replica_id: str, launch: ReplicaLaunch, now: float) -> bool:
+        return replica_id in self.running
+
+    def reap_orphans(self, known_ids: set[str]) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class FakeMetrics:
+    """Signals as the caller sets them: `concurrency` running requests per replica, or stale."""
+
+    concurrency: float = 0.0
+    stale: bool = False
+
+    def collect(self, service: str, replicas: Mapping[str, str], now: float) -> ServiceSignals:
+        return ServiceSignals(
+            service=service,
+            at=now,
+            replicas=tuple(
+                ReplicaSignals(
+                    replica=rid,
+                    at=now,
+                    running=self.concurrency,
+                    waiting=0.0,
+                    stale=self.stale,
+                    stale_reason="test says stale" if self.stale else "",
+                )
+                for rid in replicas
+            ),
+        )
