@@ -83,6 +83,17 @@ class _Attempt:
         ran = max(0.0, t - self.started_at - self.behaviour.restart_s)
         return min(self.behaviour.work_s, self.saved_s + ran)
 
+    def next_checkpoint_at(self) -> float:
+        """When the next periodic checkpoint after the last reported one is written (inf: none)."""
+        every = self.behaviour.checkpoint_every_s
+        if every <= 0:
+            return math.inf
+        done = max(self.saved_s, self.recorded_s)
+        nxt = (math.floor(done / every) + 1) * every
+        if nxt > self.behaviour.work_s:
+            return math.inf
+        return self.started_at + self.behaviour.restart_s + (nxt - self.saved_s)
+
     def periodic_checkpoint(self, t: float) -> float | None:
         """Progress of the last periodic checkpoint at or before `t` in this attempt (None: none)."""
         every = self.behaviour.checkpoint_every_s
@@ -127,6 +138,8 @@ class SimExecutor:
         `now`: the simulator reports them the way a step calls the API."""
         out: list[tuple[int, str, float]] = []
         for aid, att in self.running.items():
+            if att.notice_ckpt is None and att.next_checkpoint_at() > now:
+                continue  # the common case: nothing new since the last report
             when_progress: tuple[float, float] | None = None
             if att.notice_ckpt is not None and att.notice_ckpt[0] <= now:
                 when_progress = att.notice_ckpt
