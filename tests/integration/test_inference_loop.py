@@ -7,17 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fakes import FakeExecutor, FakeMetrics, FakeServiceManager, MemoryArtifacts
 from lowtide.control.clock import FakeClock
-from lowtide.control.inference import InferenceController, ServiceSetup
-from lowtide.control.loop import ControlLoop, LoopSettings
-from lowtide.control.records import NewJob
+from lowtide.control.inference import ServiceSetup
 from lowtide.domain.gpus import Node
 from lowtide.domain.layout import ArtifactLayout
 from lowtide.domain.services import AutoscaleTargets, LendingPolicy, ServiceSpec, TimeWindow
-from lowtide.domain.spec_parse import build_job_spec
-from lowtide.domain.spec_render import render_step
-from lowtide.policy.scheduler import SchedulerPolicy
+from lowtide.sim.harness import LoopHarness
+from lowtide.sim.scripted import FakeMetrics
 from lowtide.store.repo import Store
 
 NODES = (Node("n1", tuple(range(8))),)
@@ -42,62 +38,36 @@ SPEC = ServiceSpec(
 )
 
 
-class World:
-    def __init__(self, root: Path, lending: LendingPolicy | None = None, start: float = NOON) -> None:
-        self.clock = FakeClock(start)
-        self.store = Store.open(f"sqlite:///{root / 'db.sqlite'}")
-        self.executor = FakeExecutor()
-        self.manager = FakeServiceManager()
-        self.metrics = FakeMetrics()
-        self.inference = InferenceController(
-            store=self.store,
-            manager=self.manager,
-            sources={"chat": self.metrics},
-            gateway=None,
-            services=(ServiceSetup(spec=SPEC, command=("serve", "{port}"), base_port=9000),),
-            lending=lending or LendingPolicy(reclaim_lead_s=30, stale_after_s=10, stale_reclaim_after_s=60),
-            nodes=NODES,
-        )
-        self.loop = ControlLoop(
-            store=self.store,
-            executor=self.executor,
-            artifacts=MemoryArtifacts(),
-            clock=self.clock,
-            settings=LoopSettings(nodes=NODES, layout=LAYOUT, scheduler=SchedulerPolicy()),
-            inference=self.inference,
-        )
-        self.loop.recover()
-        self.jobs = 0
+def world(root: Path, lending: LendingPolicy | None = None, start: float = NOON) -> LoopHarness:
+    w = LoopHarness(
+        nodes=NODES,
+        layout=LAYOUT,
+        clock=FakeClock(start),
+        store=Store.open(f"sqlite:///{root / 'db.sqlite'}"),
+        services=(ServiceSetup(spec=SPEC, command=("serve", "{port}"), base_port=9000),),
+        lending=lending or LendingPolicy(reclaim_lead_s=30, stale_after_s=10, stale_reclaim_after_s=60),
+        sources={"chat": FakeMetrics()},
+    )
+    w.recover()
+    return w
 
-    def tick(self, seconds: float = 1.0, n: int = 1) -> None:
-        for _ in range(n):
-            self.clock.advance(seconds)
-            report = self.loop.tick()
-            assert report.errors == 0
 
-    def submit(self, gpus: int) -> str:
-        job_id = f"job-{self.jobs:012x}"
-        self.jobs += 1
-        spec = build_job_spec({"name": "r", "steps": [{"name": "s", "command": ["x"], "gpus": gpus}]})
-        resolved = tuple(render_step(spec, s, job_id=job_id, layout=LAYOUT) for s in spec.steps)
-        self.store.create_job(NewJob(job_id, spec, resolved, "", "u", self.clock.now()))
-        return job_id
+def job_doc(gpus: int) -> dict[str, Any]:
+    return {"name": "r", "steps": [{"name": "s", "command": ["x"], "gpus": gpus}]}
 
-    def replica_states(self) -> list[str]:
-        return [r.state.value for r in self.store.replicas("chat")]
 
-    def step(self, job_id: str) -> Any:
-        return self.store.job_detail(job_id).steps[0]
+def replica_states(w: LoopHarness) -> list[str]:
+    return [r.state.value for r in w.store.replicas("chat")]
 
 
 def test_load_takes_gpus_for_replicas_and_research_gets_what_is_left(tmp_path: Path) -> None:
-    w = World(tmp_path)
+    w = world(tmp_path)
     w.tick(n=2)
-    assert w.replica_states() == ["SERVING"]  # min_replicas
-    job = w.submit(gpus=6)
+    assert replica_states(w) == ["SERVING"]  # min_replicas
+    job = w.submit(job_doc(6))
     w.tick()
     assert w.step(job).state.value == "RUNNING"  # 8 − 2 for the one replica
-    w.metrics.concurrency = 10.0  # 10 per replica → 3 replicas needed
+    w.sources["chat"].concurrency = 10.0  # 10 per replica → 3 replicas needed
     w.tick(n=3)
     decision = w.inference.status["chat"].decision
     assert decision is not None and decision.desired == 3
@@ -105,7 +75,7 @@ def test_load_takes_gpus_for_replicas_and_research_gets_what_is_left(tmp_path: P
     assert "largest free block is 0" in w.inference.status["chat"].blocked
     lending = w.inference.last.envelope  # type: ignore[union-attr]
     assert lending.lendable_gpus == 2
-    late = w.submit(gpus=1)
+    late = w.submit(job_doc(1))
     w.tick()
     assert w.step(late).state.value == "READY"
     assert w.step(late).reason.endswith("; 2 GPUs of n1 not lendable now"), w.step(late).reason
@@ -113,23 +83,23 @@ def test_load_takes_gpus_for_replicas_and_research_gets_what_is_left(tmp_path: P
     (attempt_id,) = w.executor.running
     w.executor.finish(attempt_id, 0)
     w.tick(n=3)
-    assert w.replica_states() == ["SERVING", "SERVING", "SERVING"]
+    assert replica_states(w) == ["SERVING", "SERVING", "SERVING"]
     assert w.step(late).state.value == "RUNNING"
     holders = [h.holder_kind for h in w.store.holdings()]
     assert (holders.count("replica"), holders.count("attempt"), holders.count("idle")) == (6, 1, 1)
 
 
 def test_stale_metrics_lend_nothing_new_and_long_staleness_keeps_min_safe(tmp_path: Path) -> None:
-    w = World(tmp_path)
+    w = world(tmp_path)
     w.tick(n=2)
-    w.metrics.stale = True
-    w.tick(seconds=6, n=3)  # stale for > 10 s
+    w.sources["chat"].stale = True
+    w.tick(n=3, dt=6)  # stale for > 10 s
     env = w.inference.last.envelope  # type: ignore[union-attr]
     assert env.fail_safe is not None and "no new lending" in env.fail_safe
-    job = w.submit(gpus=1)
+    job = w.submit(job_doc(1))
     w.tick()
     assert w.step(job).state.value == "READY"  # 6 GPUs are free, but nothing new is lent
-    w.metrics.stale = False
+    w.sources["chat"].stale = False
     w.tick(n=2)
     assert w.step(job).state.value == "RUNNING"
 
@@ -143,9 +113,9 @@ def test_window_mode_lends_only_inside_the_window(tmp_path: Path) -> None:
         stale_after_s=10,
         stale_reclaim_after_s=60,
     )
-    w = World(tmp_path, lending, start=NOON)
+    w = world(tmp_path, lending, start=NOON)
     w.tick(n=2)
-    job = w.submit(gpus=2)
+    job = w.submit(job_doc(2))
     w.tick()
     assert w.step(job).state.value == "READY"
     assert w.inference.last.envelope.lending_open is False  # type: ignore[union-attr]
@@ -155,7 +125,7 @@ def test_window_mode_lends_only_inside_the_window(tmp_path: Path) -> None:
 
 
 def test_a_replica_that_never_becomes_healthy_is_retried_with_backoff(tmp_path: Path) -> None:
-    w = World(tmp_path)
+    w = world(tmp_path)
     w.manager.broken.add("chat/0")
     w.tick(n=2)
     rec = w.store.replica("chat/0")
@@ -169,23 +139,23 @@ def test_a_replica_that_never_becomes_healthy_is_retried_with_backoff(tmp_path: 
 
 
 def test_replicas_that_keep_failing_raise_an_alert_and_stop_new_lending(tmp_path: Path) -> None:
-    w = World(tmp_path)
+    w = world(tmp_path)
     w.manager.broken.update({"chat/0", "chat/1", "chat/2"})
     for _ in range(120):
-        w.tick(seconds=1.0)
+        w.tick(dt=1.0)
         if w.inference.status["chat"].alert:
             break
     status = w.inference.status["chat"]
     assert "replica start failures in a row" in status.alert
     env = w.inference.last.envelope  # type: ignore[union-attr]
     assert env.fail_safe is not None and "no new lending" in env.fail_safe
-    job = w.submit(gpus=1)
+    job = w.submit(job_doc(1))
     w.tick()
     assert w.step(job).state.value == "READY"
     assert [e.kind for e in w.store.service_events("chat")].count("alert") == 1
     w.manager.broken.clear()  # fixed: the next restart serves, the alert clears, lending resumes
     for _ in range(120):
-        w.tick(seconds=1.0)
+        w.tick(dt=1.0)
         if w.step(job).state.value == "RUNNING":
             break
     assert w.step(job).state.value == "RUNNING"

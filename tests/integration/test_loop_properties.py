@@ -12,18 +12,15 @@ import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fakes import FakeExecutor, MemoryArtifacts
 from lowtide.control.clock import FakeClock
-from lowtide.control.loop import ControlLoop, LoopSettings
-from lowtide.control.records import NewJob
 from lowtide.domain.gpus import Node
 from lowtide.domain.layout import ArtifactLayout
-from lowtide.domain.spec_parse import build_job_spec
-from lowtide.domain.spec_render import render_step
 from lowtide.domain.states import ACTIVE_STEP_STATES, TERMINAL_STEP_STATES, JobState, StepState
 from lowtide.policy.fairshare import FairSharePolicy
 from lowtide.policy.outcomes import RetryPolicy
 from lowtide.policy.scheduler import SchedulerPolicy
+from lowtide.sim.harness import LoopHarness
+from lowtide.sim.scripted import FakeExecutor
 from lowtide.store.repo import Store
 from lowtide.store.schema import attempts, gpu_ledger, jobs, steps
 
@@ -53,31 +50,32 @@ op_st = st.one_of(
 
 
 class World:
+    """A random history on the loop harness, with the invariants it must keep."""
+
+    nodes = NODES
+
     def __init__(self, root: Path) -> None:
-        self.clock = FakeClock(T0)
         self.store = Store.open(f"sqlite:///{root / 'db.sqlite'}")
         self.executor = FakeExecutor()
-        self.artifacts = MemoryArtifacts()
-        self.jobs: list[str] = []
-        self.loop = self._new_loop()
-        self.loop.recover()
-
-    def _new_loop(self) -> ControlLoop:
-        return ControlLoop(
+        self.h = LoopHarness(
+            nodes=self.nodes,
+            layout=LAYOUT,
+            clock=FakeClock(T0),
             store=self.store,
             executor=self.executor,
-            artifacts=self.artifacts,
-            clock=self.clock,
-            settings=LoopSettings(
-                nodes=NODES,
-                layout=LAYOUT,
-                scheduler=SchedulerPolicy(FairSharePolicy(half_life_s=600)),
-                retry=RetryPolicy(5, 20),
-            ),
+            scheduler=SchedulerPolicy(FairSharePolicy(half_life_s=600)),
+            retry=RetryPolicy(5, 20),
+            **self.inference_side(),
         )
+        self.clock = self.h.clock
+        self.jobs = self.h.jobs
+        self.h.recover()
+
+    def inference_side(self) -> dict[str, Any]:
+        """The harness's inference arguments (none: the loop runs without an inference side)."""
+        return {}
 
     def submit(self, j: dict[str, Any]) -> None:
-        job_id = f"job-{len(self.jobs):012x}"
         doc = {
             "name": "j",
             "team": j["team"],
@@ -94,10 +92,7 @@ class World:
                 for i, s in enumerate(j["steps"])
             ],
         }
-        spec = build_job_spec(doc, max_gpus_per_node=4)
-        resolved = tuple(render_step(spec, s, job_id=job_id, layout=LAYOUT) for s in spec.steps)
-        self.store.create_job(NewJob(job_id, spec, resolved, "", "u", self.clock.now()))
-        self.jobs.append(job_id)
+        self.h.submit(doc)  # GPUs per step are limited to the largest node's 4
 
     def apply(self, op: tuple[Any, ...]) -> None:
         kind = op[0]
@@ -111,11 +106,8 @@ class World:
         elif kind == "wait":
             self.clock.advance(op[1])
         elif kind == "restart":
-            self.loop = self._new_loop()  # a new control-plane process on the same store
-            self.loop.recover()
-        self.clock.advance(0.5)
-        report = self.loop.tick()
-        assert report.errors == 0
+            self.h.restart()  # a new control-plane process on the same store
+        self.h.tick(dt=0.5)  # fails on a tick that reports errors
 
     def check(self) -> None:
         with self.store.engine.connect() as conn:
@@ -156,8 +148,7 @@ class World:
         for _ in range(400):
             for attempt_id in list(self.executor.running):
                 self.executor.finish(attempt_id, 0)
-            self.clock.advance(30)
-            self.loop.tick()
+            self.h.tick(dt=30, check=False)
             self.check()
             if (
                 all(self.store.job(j).state.value in ("SUCCEEDED", "FAILED", "CANCELLED") for j in self.jobs)
@@ -230,9 +221,9 @@ def test_backoff_is_respected_on_the_fake_clock(tmp_path: Path) -> None:
 
 # -- with the inference side: load changes, reclaims, restarts ------------------------------------
 
-from fakes import FakeMetrics, FakeServiceManager  # noqa: E402
-from lowtide.control.inference import InferenceController, ServiceSetup  # noqa: E402
+from lowtide.control.inference import ServiceSetup  # noqa: E402
 from lowtide.domain.services import AutoscaleTargets, LendingPolicy, ServiceSpec  # noqa: E402
+from lowtide.sim.scripted import FakeMetrics, FakeServiceManager  # noqa: E402
 from lowtide.store.schema import replicas as replica_table  # noqa: E402
 
 INF_NODES = (Node("n1", (0, 1, 2, 3)), Node("n2", (0, 1, 2, 3)))
@@ -267,37 +258,23 @@ inf_op_st = st.one_of(
 
 
 class InferenceWorld(World):
+    nodes = INF_NODES
+
     def __init__(self, root: Path) -> None:
         self.manager = FakeServiceManager()
         self.metrics = FakeMetrics()
         self.below_min_since: float | None = None
         super().__init__(root)
 
-    def _new_loop(self) -> ControlLoop:
-        self.inference = InferenceController(
-            store=self.store,
-            manager=self.manager,
-            sources={"chat": self.metrics},
-            gateway=None,
-            services=(ServiceSetup(spec=CHAT, command=("serve",), base_port=9000, reclaim_grace_s=GRACE),),
-            lending=LendingPolicy(
+    def inference_side(self) -> dict[str, Any]:
+        return {
+            "services": (ServiceSetup(spec=CHAT, command=("serve",), base_port=9000, reclaim_grace_s=GRACE),),
+            "lending": LendingPolicy(
                 reclaim_lead_s=1 + GRACE + UNPARK, stale_after_s=30, stale_reclaim_after_s=120
             ),
-            nodes=INF_NODES,
-        )
-        return ControlLoop(
-            store=self.store,
-            executor=self.executor,
-            artifacts=self.artifacts,
-            clock=self.clock,
-            settings=LoopSettings(
-                nodes=INF_NODES,
-                layout=LAYOUT,
-                scheduler=SchedulerPolicy(FairSharePolicy(600)),
-                retry=RetryPolicy(5, 20),
-            ),
-            inference=self.inference,
-        )
+            "manager": self.manager,
+            "sources": {"chat": self.metrics},
+        }
 
     def apply(self, op: tuple[Any, ...]) -> None:
         if op[0] == "load":

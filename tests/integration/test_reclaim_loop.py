@@ -13,17 +13,13 @@ from typing import Any
 
 import pytest
 
-from fakes import FakeExecutor, FakeMetrics, FakeServiceManager, MemoryArtifacts
 from lowtide.control.clock import FakeClock
-from lowtide.control.inference import InferenceController, ServiceSetup
-from lowtide.control.loop import ControlLoop, LoopSettings
-from lowtide.control.records import NewJob
+from lowtide.control.inference import ServiceSetup
 from lowtide.domain.gpus import Node
 from lowtide.domain.layout import ArtifactLayout
 from lowtide.domain.services import AutoscaleTargets, LendingPolicy, ServiceSpec, TimeWindow
-from lowtide.domain.spec_parse import build_job_spec
-from lowtide.domain.spec_render import render_step
-from lowtide.policy.scheduler import SchedulerPolicy
+from lowtide.sim.harness import LoopHarness
+from lowtide.sim.scripted import FakeMetrics
 from lowtide.store.memory import MemoryStore
 from lowtide.store.repo import Store
 
@@ -60,70 +56,41 @@ def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-class World:
-    def __init__(
-        self, root: Path, lending: LendingPolicy | None = None, start: float = T0, backend: str = "sqlite"
-    ) -> None:
-        self.clock = FakeClock(start)
-        self.store: Any = (
-            Store.open(f"sqlite:///{root / 'db.sqlite'}") if backend == "sqlite" else MemoryStore()
-        )
-        self.executor = FakeExecutor()
-        self.manager = FakeServiceManager()
-        self.metrics = FakeMetrics()
-        self.artifacts = MemoryArtifacts()
-        self.inference = InferenceController(
-            store=self.store,
-            manager=self.manager,
-            sources={"chat": self.metrics},
-            gateway=None,
-            services=(ServiceSetup(spec=SPEC, command=("serve",), base_port=9000, reclaim_grace_s=GRACE),),
-            lending=lending
-            or LendingPolicy(reclaim_lead_s=TICK + GRACE + WAKE, stale_after_s=30, stale_reclaim_after_s=120),
-            nodes=NODES,
-        )
-        self.loop = ControlLoop(
-            store=self.store,
-            executor=self.executor,
-            artifacts=self.artifacts,
-            clock=self.clock,
-            settings=LoopSettings(nodes=NODES, layout=LAYOUT, scheduler=SchedulerPolicy()),
-            inference=self.inference,
-        )
-        self.loop.recover()
-        self.jobs = 0
-
-    def tick(self, n: int = 1) -> None:
-        for _ in range(n):
-            self.clock.advance(TICK)
-            assert self.loop.tick().errors == 0
-
-    def submit(self, name: str, gpus: int, grace: float = 120.0) -> str:
-        job_id = f"job-{self.jobs:012x}"
-        self.jobs += 1
-        spec = build_job_spec(
-            {
-                "name": name,
-                "grace_seconds": grace,
-                "steps": [{"name": "train", "command": ["train"], "gpus": gpus, "checkpoint": True}],
-            }
-        )
-        resolved = tuple(render_step(spec, s, job_id=job_id, layout=LAYOUT) for s in spec.steps)
-        self.store.create_job(NewJob(job_id, spec, resolved, "", "u", self.clock.now()))
-        return job_id
-
-    def attempt_of(self, job_id: str) -> Any:
-        return [a for a in self.store.job_detail(job_id).attempts][-1]
+def world(
+    root: Path, lending: LendingPolicy | None = None, start: float = T0, backend: str = "sqlite"
+) -> LoopHarness:
+    store = Store.open(f"sqlite:///{root / 'db.sqlite'}") if backend == "sqlite" else MemoryStore()
+    w = LoopHarness(
+        nodes=NODES,
+        layout=LAYOUT,
+        clock=FakeClock(start),
+        store=store,
+        services=(ServiceSetup(spec=SPEC, command=("serve",), base_port=9000, reclaim_grace_s=GRACE),),
+        lending=lending
+        or LendingPolicy(reclaim_lead_s=TICK + GRACE + WAKE, stale_after_s=30, stale_reclaim_after_s=120),
+        sources={"chat": FakeMetrics()},
+        tick_s=TICK,
+    )
+    w.recover()
+    return w
 
 
-def surge_story(root: Path, backend: str) -> World:
-    w = World(root, backend=backend)
+def job_doc(name: str, gpus: int, grace: float = 120.0) -> dict[str, Any]:
+    return {
+        "name": name,
+        "grace_seconds": grace,
+        "steps": [{"name": "train", "command": ["train"], "gpus": gpus, "checkpoint": True}],
+    }
+
+
+def surge_story(root: Path, backend: str) -> LoopHarness:
+    w = world(root, backend=backend)
     w.tick(2)
     assert [r.state.value for r in w.store.replicas("chat")] == ["SERVING"]
-    a = w.submit("often-checkpoints", gpus=2)
-    b = w.submit("never-checkpoints", gpus=2)
+    a = w.submit(job_doc("often-checkpoints", gpus=2))
+    b = w.submit(job_doc("never-checkpoints", gpus=2))
     w.tick()
-    att_a, att_b = w.attempt_of(a), w.attempt_of(b)
+    att_a, att_b = w.last_attempt(a), w.last_attempt(b)
     assert {att_a.node, att_b.node} == {"n2", "n3"}
     # A checkpointed recently; B never did.
     w.tick(50)
@@ -131,7 +98,7 @@ def surge_story(root: Path, backend: str) -> World:
     w.tick(40)
 
     # The surge: 8 requests per replica → 2 replicas wanted, no free block of 2.
-    w.metrics.concurrency = 8.0
+    w.sources["chat"].concurrency = 8.0
     surge_at = w.clock.now()
     w.tick(2)
     a_step = w.store.job_detail(a).steps[0]
@@ -169,13 +136,13 @@ def surge_story(root: Path, backend: str) -> World:
     assert (step.state.value, step.preemptions, step.retries_used) == ("PREEMPTED", 1, 0)
 
     # The load goes; after the stabilisation window the replica sleeps and A resumes on its GPUs.
-    w.metrics.concurrency = 0.0
+    w.sources["chat"].concurrency = 0.0
     for _ in range(60):
         w.tick()
         if w.store.job_detail(a).steps[0].state.value == "RUNNING":
             break
     assert w.store.replica("chat/1").state.value == "PARKED"
-    resumed = w.attempt_of(a)
+    resumed = w.last_attempt(a)
     assert resumed.number == 2
     launch = w.executor.launched[-1]
     assert launch.env["LOWTIDE_ATTEMPT"] == "2"
@@ -187,15 +154,15 @@ def surge_story(root: Path, backend: str) -> World:
     return w
 
 
-def stubborn_story(root: Path, backend: str) -> World:
-    w = World(root, backend=backend)
+def stubborn_story(root: Path, backend: str) -> LoopHarness:
+    w = world(root, backend=backend)
     w.tick(2)
-    a = w.submit("stubborn", gpus=2)
-    b = w.submit("other", gpus=2)
+    a = w.submit(job_doc("stubborn", gpus=2))
+    b = w.submit(job_doc("other", gpus=2))
     w.tick(10)
-    w.metrics.concurrency = 8.0
+    w.sources["chat"].concurrency = 8.0
     w.tick(2)
-    victim = next(att for j in (a, b) for att in [w.attempt_of(j)] if att.state.value == "STOPPING")
+    victim = next(att for j in (a, b) for att in [w.last_attempt(j)] if att.state.value == "STOPPING")
     w.tick(int(GRACE) + 2)  # the fake executor kills at the deadline
     killed = w.store.attempt(victim.id)
     assert killed.killed_at_deadline and killed.state.value == "INTERRUPTED"
@@ -205,7 +172,7 @@ def stubborn_story(root: Path, backend: str) -> World:
     return w
 
 
-def window_story(root: Path, backend: str) -> World:
+def window_story(root: Path, backend: str) -> LoopHarness:
     lead = TICK + GRACE + WAKE
     close = T0 + 20 * 3600  # T0 is 12:00 UTC; the window is 20:00–08:00, so it closes at 08:00 next day
     lending = LendingPolicy(
@@ -216,25 +183,25 @@ def window_story(root: Path, backend: str) -> World:
         stale_after_s=30,
         stale_reclaim_after_s=120,
     )
-    w = World(root, lending, start=close - 600, backend=backend)  # 07:50: lending is open
+    w = world(root, lending, start=close - 600, backend=backend)  # 07:50: lending is open
     w.tick(2)
-    polite = w.submit("polite", gpus=2)
-    stubborn = w.submit("stubborn", gpus=2)
+    polite = w.submit(job_doc("polite", gpus=2))
+    stubborn = w.submit(job_doc("stubborn", gpus=2))
     w.tick()
-    assert {w.attempt_of(j).state.value for j in (polite, stubborn)} == {"RUNNING"}
+    assert {w.last_attempt(j).state.value for j in (polite, stubborn)} == {"RUNNING"}
     while w.clock.now() < close - lead - TICK:
         w.tick()
     assert not w.executor.notices  # nothing is reclaimed before close − lead
     w.tick(2)
     noticed = {aid for aid, _ in w.executor.notices}
-    assert noticed == {w.attempt_of(polite).id, w.attempt_of(stubborn).id}
+    assert noticed == {w.last_attempt(polite).id, w.last_attempt(stubborn).id}
     assert all(at <= close - lead + TICK for _, at in w.executor.notices)
-    w.executor.finish(w.attempt_of(polite).id, 143)  # checkpoints and leaves; the other ignores notice
+    w.executor.finish(w.last_attempt(polite).id, 143)  # checkpoints and leaves; the other ignores notice
     while w.clock.now() < close:
         w.tick()
     held = [h for h in w.store.holdings() if h.holder_kind == "attempt"]
     assert held == []  # every lent GPU is back when the window closes
-    assert w.store.attempt(w.attempt_of(stubborn).id).killed_at_deadline
+    assert w.store.attempt(w.last_attempt(stubborn).id).killed_at_deadline
     reclaims = w.store.reclaims()
     assert reclaims and all(r.service is None and r.state == "DONE" for r in reclaims)
     assert all(
@@ -260,7 +227,7 @@ def test_window_mode_gets_every_lent_gpu_back_before_the_window_closes(tmp_path:
     window_story(tmp_path, backend)
 
 
-def digest(w: World) -> dict[str, Any]:
+def digest(w: LoopHarness) -> dict[str, Any]:
     """Everything the store and the fakes recorded, as comparable values."""
     store = w.store
     now = w.clock.now()
@@ -288,7 +255,7 @@ def digest(w: World) -> dict[str, Any]:
 
 @pytest.mark.parametrize("story", [surge_story, stubborn_story, window_story], ids=lambda f: f.__name__)
 def test_the_loop_leaves_the_same_records_on_sqlite_and_in_memory(
-    tmp_path: Path, story: Callable[[Path, str], World]
+    tmp_path: Path, story: Callable[[Path, str], LoopHarness]
 ) -> None:
     on_sqlite = digest(story(tmp_path / "sqlite", "sqlite"))
     in_memory = digest(story(tmp_path / "memory", "memory"))
