@@ -10,22 +10,21 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 import yaml
 
 from lowtide.emulator.loadgen import LoadReport, run_load_sync
 from lowtide.emulator.traces import FixedTokens, synthetic
+from reclaim_stack import Stack, consecutive_ports, free_ports
+from reclaim_stack import shim_groups as _shim_groups
 from support import wait_until
 
 pytestmark = pytest.mark.slow
@@ -34,63 +33,6 @@ TICK = 0.3
 GRACE = 15.0
 STARTUP = 3.0
 TRAIN_ARGS = ["--steps", "500", "--lr", "0.05", "--step-seconds", "0.04"]
-
-
-def free_ports(n: int) -> list[int]:
-    out = []
-    for _ in range(n):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            out.append(int(s.getsockname()[1]))
-    return out
-
-
-def consecutive_ports(n: int) -> int:
-    for base in range(31000, 60000, 89):
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
-
-
-@dataclass
-class Stack:
-    root: Path
-    api: str
-    gateway: str
-
-    def get(self, path: str) -> Any:
-        return httpx.get(f"{self.api}{path}", timeout=10).json()
-
-    def submit(self, doc: dict[str, Any]) -> str:
-        r = httpx.post(
-            f"{self.api}/v1/jobs",
-            content=yaml.safe_dump(doc),
-            headers={"Content-Type": "application/yaml"},
-            timeout=10,
-        )
-        assert r.status_code == 201, r.text
-        return str(r.json()["id"])
-
-    def train_attempts(self, job: str) -> list[dict[str, Any]]:
-        return [a for a in self.get(f"/v1/jobs/{job}")["attempts"] if a["step"] == "train"]
-
-
-def _shim_groups(root: Path) -> list[int]:
-    return [
-        p.pid
-        for p in psutil.process_iter(["cmdline"])
-        if "lowtide.adapters.step_shim" in (cmd := " ".join(p.info["cmdline"] or [])) and str(root) in cmd
-    ]
 
 
 @pytest.fixture
