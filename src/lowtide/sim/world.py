@@ -110,7 +110,9 @@ class SimWorld:
             self.trace.ticks += 1
             self.trace.tick_errors += report.errors
             candidates = [s.end, now + s.max_gap_s]
-            if report.active:
+            if report.active or self._overloaded():
+                # An overload's backlog grows between ticks and the autoscaler reads it: look as
+                # often as production does while it lasts.
                 candidates.append(now + s.tick_s)
             if report.next_due is not None:
                 candidates.append(report.next_due)
@@ -128,6 +130,19 @@ class SimWorld:
             self.clock.set(nxt)
             now = nxt
         return self.trace
+
+    def _overloaded(self) -> bool:
+        """Some service gets more than its serving replicas can take, or still has a backlog."""
+        s = self.scenario
+        t = self.clock.now() - s.start
+        records = self.store.replicas()
+        for svc in s.services:
+            serving = sum(1 for r in records if r.service == svc.name and r.state == R.SERVING)
+            if self.metrics[svc.name].state.backlog > 0:
+                return True
+            if svc.curve.rate_at(t) > serving * svc.capacity.throughput_rps:
+                return True
+        return False
 
     def _free_for_research(self) -> int:
         """GPUs the last tick offered research that no step holds."""
