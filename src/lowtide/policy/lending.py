@@ -3,7 +3,7 @@
 Role: from each service's scale decision, the age of its load data, its recent growth and its
 forecast, work out how many GPUs inference claims and how many may be lent, when lent GPUs must
 start coming back, and why. Neighbours: `policy.autoscale` (the decisions), `policy.forecast` (the
-weekly profile the caller turns into `forecast_needed`), `control.inference` (calls `envelope`
+weekly profile the caller turns into `forecast_needed`), `policy.inference` (calls `envelope`
 each tick and gives research at most `lendable_gpus`), `policy.replicas` (starts what `claims`
 asks for). Must not: read the clock (`now` is passed), do I/O, mutate its inputs, or lend on
 data it cannot trust. Service stability comes first: when in doubt, lend less.

@@ -4,11 +4,12 @@ at the least cost (pure).
 Role: given what research holds now and what inference is missing (whole replicas, each needing
 `gpus` GPUs on ONE node, and possibly GPUs lent beyond the envelope), choose the victims and say
 where each replica will fit once they are gone, and why each victim was chosen.
-Neighbours: `control.reclaimer` builds the `ReclaimRequest` each tick from the replica plan
+Neighbours: `policy.reclaim_phases` builds the `ReclaimRequest` each tick from the replica plan
 (`policy.replicas`: what it could not place), the envelope (`policy.lending`) and the running
-steps, then gives notice to the victims; `policy.replicas` starts or wakes the replica once the
-GPUs are free. Must not: read the clock (`now` is in the request), do I/O, give notice, or mutate
-the request (what-if evaluations run on it; everything working is a private copy).
+steps; `control.reclaimer` books the notice requests for the victims; `policy.replicas` starts or
+wakes the replica once the GPUs are free. Must not: read the clock (`now` is in the request),
+do I/O, give notice, or mutate the request (what-if evaluations run on it; everything working is
+a private copy).
 
 Rules
 - Cost of stopping a step now (`victim_cost`), in GPU-seconds, with g = its GPU count:

@@ -11,13 +11,16 @@ Per service, given the desired replica count (from `policy.autoscale`):
   has nothing in flight or its drain timeout has passed.
 Research GPUs (`research_gpus`): the envelope says how many GPUs may be lent; lowtide offers that
 many free GPUs, preferring GPUs no sleeping replica will want back, then whole nodes.
-Neighbours: `control.inference` builds the views and applies the plan. Must not: read the clock
-(`now` is passed), do I/O, or decide how many replicas a service needs (autoscale does).
+`plan_replicas_on` and `research_offer` are the same rules over GPU indices per node (what the
+inference decision keeps each tick: no `GpuRef` is built or hashed per GPU of the pool).
+Neighbours: `policy.inference` builds the views from the inference snapshot and calls both each
+tick; `control.inference` applies the plan. Must not: read the clock (`now` is passed), do I/O,
+or decide how many replicas a service needs (autoscale does).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass
 from typing import Literal
 
@@ -29,8 +32,15 @@ R = ReplicaState
 ActionKind = Literal["start", "wake", "drain", "undrain", "park"]
 
 
+#: GPU indices per node name (e.g. the GPUs held, or free, on each node).
+GpuIndex = Mapping[str, Set[int]]
+
+
 @dataclass(frozen=True, slots=True)
 class ReplicaView:
+    """A replica slot as the policies see it: its record (state None: the slot never had one)
+    and, from the gateway, the requests still in flight on it."""
+
     id: str
     service: str
     slot: int
@@ -41,6 +51,8 @@ class ReplicaView:
     since: float = 0.0  # when it entered its state
     retry_at: float = 0.0  # a FAILED replica is not restarted before this
     in_flight: int = 0  # requests the gateway still has on it
+    failures: int = 0  # failed starts in a row (a FAILED replica's restart backoff counts them)
+    port: int = 0  # where the replica serves (its URL when the service manager knows none)
 
     @property
     def gpu_refs(self) -> tuple[GpuRef, ...]:
@@ -83,7 +95,17 @@ def plan_replicas(
 ) -> ReplicaPlan:
     """`busy`: GPUs held right now by anything (steps, replicas). Services are served in the
     order given (the caller orders them: e.g. by how far below their desired count they are)."""
-    free: dict[str, list[int]] = {n.name: [i for i in n.gpus if GpuRef(n.name, i) not in busy] for n in nodes}
+    return plan_replicas_on(services, nodes, by_node(busy), now)
+
+
+def plan_replicas_on(
+    services: Iterable[ServiceView], nodes: tuple[Node, ...], busy: GpuIndex, now: float
+) -> ReplicaPlan:
+    """`plan_replicas` with the busy GPUs given as indices per node."""
+    free: dict[str, list[int]] = {}
+    for n in nodes:
+        held = busy.get(n.name)
+        free[n.name] = [i for i in n.gpus if i not in held] if held else list(n.gpus)
     actions: list[ReplicaAction] = []
     blocked: list[Blocked] = []
     for svc in services:
@@ -223,9 +245,51 @@ def research_gpus(
     nodes with the most free GPUs first (so research gets whole blocks), lowest index first."""
     if new_lendable <= 0:
         return frozenset()
-    candidates = [g for n in nodes for g in n.refs() if g not in busy and g not in reserved]
-    per_node: dict[str, int] = {}
-    for g in candidates:
-        per_node[g.node] = per_node.get(g.node, 0) + 1
-    candidates.sort(key=lambda g: (g in affinity, -per_node[g.node], g.node, g.index))
-    return frozenset(candidates[:new_lendable])
+    offer = research_offer(
+        nodes, busy=by_node(busy | reserved), affinity=by_node(affinity), new_lendable=new_lendable
+    )
+    return frozenset(GpuRef(node, i) for node, indices in offer.items() for i in indices)
+
+
+def research_offer(
+    nodes: tuple[Node, ...], *, busy: GpuIndex, affinity: GpuIndex, new_lendable: int
+) -> dict[str, list[int]]:
+    """`research_gpus` over indices per node: the GPU indices offered on each node that gets any
+    (`busy` includes what is reserved). Same order of preference: GPUs outside `affinity` first;
+    then nodes with the most free GPUs, node name, lowest index."""
+    if new_lendable <= 0:
+        return {}
+    rows: list[tuple[int, str, list[int], list[int]]] = []  # (−free count, node, plain, affine)
+    for n in nodes:
+        held = busy.get(n.name)
+        idle = [i for i in n.gpus if i not in held] if held else list(n.gpus)
+        if not idle:
+            continue
+        wanted = affinity.get(n.name) or frozenset()
+        plain = sorted(i for i in idle if i not in wanted)
+        affine = sorted(i for i in idle if i in wanted)
+        rows.append((-len(idle), n.name, plain, affine))
+    rows.sort(key=lambda row: (row[0], row[1]))
+    offer: dict[str, list[int]] = {}
+    left = new_lendable
+    for affine_pass in (False, True):  # plain GPUs of every node first, then those a replica wants
+        for _, node, plain, affine in rows:
+            taken = (affine if affine_pass else plain)[:left]
+            if taken:
+                offer.setdefault(node, []).extend(taken)
+                left -= len(taken)
+                if left <= 0:
+                    return offer
+    return offer
+
+
+def by_node(refs: Iterable[GpuRef]) -> dict[str, set[int]]:
+    """GPU references as indices per node."""
+    out: dict[str, set[int]] = {}
+    for g in refs:
+        held = out.get(g.node)
+        if held is None:
+            out[g.node] = {g.index}
+        else:
+            held.add(g.index)
+    return out

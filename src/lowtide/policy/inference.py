@@ -1,0 +1,647 @@
+"""The inference half of a tick, as decisions: replica events → replica moves, then snapshot →
+plan (pure; docs/architecture.md §4.2).
+
+Role: everything `control.inference` used to work out between its reads and writes.
+- `settle_events`: what each service-manager event does to its replica (`event_move`, the table
+  below), folded in order over the replicas; a failure's restart backoff (`failure_move`).
+- `decide_inference(snapshot)`: per service, when its data was last fresh, the scale decision
+  (`policy.autoscale`), the needed-replicas history and its slope, the forecast peak, the alert
+  after `FAILURES_BEFORE_ALERT` failed starts in a row; the envelope (`policy.lending`); the
+  replica plan (`policy.replicas`, services furthest below their target first); what the
+  replicas become once the plan is carried out (`apply_actions`); the reclaim decision
+  (`policy.reclaim_phases`); the GPUs the step scheduler must not use; when to decide again.
+  `decide_services` and `complete` are its two halves: when an action of the replica plan could
+  not be carried out, the caller completes the decision again on the replicas as they are.
+Neighbours: `policy.inference_snapshot` (input), `control.inference` (builds the snapshot, books
+the plan in the store, carries it out through the ports, keeps `InferenceMemory` between ticks).
+Must not: read the clock (time is `snapshot.now` or the event's own time), do I/O, call a port,
+or mutate its inputs; the same snapshot always gives the same plan.
+
+Replica events (anything else, e.g. `healthy` for a SERVING replica, changes nothing):
+
+    healthy             STARTING | WAKING → SERVING, failures = 0
+    asleep              PARKING → PARKED, parked_as = sleep
+    stopped             PARKING → PARKED, parked_as = stop
+    failed | stopped    any other state but FAILED → FAILED, failures + 1, restart at
+                        at + min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S × 2^(failures − 1))
+                        and parked_as cleared; from PARKED (a sleeping replica whose process is
+                        gone) the restart may happen at once (retry_at = at)
+
+Alert: a service whose FAILED replicas, since one of its replicas last became healthy, have failed
+`FAILURES_BEFORE_ALERT` times in a row raises an alert (written once per new text) and counts as
+stale beyond `stale_after_s` for lending: no new lending from it until a replica serves again.
+
+Next due (`InferencePlan.next_due`, docs/architecture.md §4.3): the earliest of a waiting
+scale-down's end, a FAILED replica's restart, a lending window edge, an open reclaim to abandon,
+the time the oldest needed-history reading leaves the growth window, and in mode `forecast` the
+time the lead-time horizon crosses the next quarter-hour.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence, Set
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Protocol
+
+from lowtide.domain.gpus import GpuRef, Node
+from lowtide.domain.metrics import ServiceSignals
+from lowtide.domain.services import LendingPolicy, ParkMode
+from lowtide.domain.states import GPU_HOLDING_REPLICA_STATES, SUPPLY_REPLICA_STATES, ReplicaState
+from lowtide.policy.autoscale import (
+    ReplicaSupply,
+    ScaleDecision,
+    decide_scale,
+    initial_state,
+    next_decision_at,
+)
+from lowtide.policy.forecast import WeeklyProfile
+from lowtide.policy.inference_snapshot import InferenceMemory, InferenceSnapshot, ServiceRules
+from lowtide.policy.lending import Envelope, ServiceLendingInput, envelope, next_lending_edge
+from lowtide.policy.reclaim_phases import ReclaimDecision, decide_reclaim
+from lowtide.policy.replicas import (
+    ReplicaAction,
+    ReplicaPlan,
+    ReplicaView,
+    ServiceView,
+    plan_replicas_on,
+    research_offer,
+)
+from lowtide.policy.snapshot import RunningStep
+
+R = ReplicaState
+
+#: Restart backoff of a failed replica: base × 2^(failures−1), capped.
+RESTART_BACKOFF_S = 10.0
+RESTART_BACKOFF_MAX_S = 600.0
+#: After this many failed starts in a row a service raises an alert and lends nothing new.
+FAILURES_BEFORE_ALERT = 3
+#: The forecast profile's predictions change at quarter-hours (its hour bins, any time zone).
+FORECAST_STEP_S = 900.0
+#: The needed-replicas slope looks back max(this, the lending lead time) seconds.
+GROWTH_WINDOW_MIN_S = 60.0
+
+_UP = (R.SERVING, R.STARTING, R.WAKING)  # the supply a service's deficit is counted against
+_SCRAPED = (R.SERVING, R.DRAINING)  # replicas whose metrics are read
+
+
+# -- replica events -------------------------------------------------------------------------------
+
+
+class ReplicaEventLike(Protocol):
+    """What the service manager reports (`control.inference_ports.ReplicaEvent`)."""
+
+    @property
+    def replica_id(self) -> str: ...
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def at(self) -> float: ...
+
+    @property
+    def detail(self) -> str: ...
+
+
+MoveValue = int | float | str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaMove:
+    """A guarded replica state move to book: `expected` → `target` at `at`, setting `values`
+    (columns such as failures, retry_at, parked_as) besides the state, `since` and the message."""
+
+    replica_id: str
+    expected: ReplicaState
+    target: ReplicaState
+    at: float
+    message: str
+    values: tuple[tuple[str, MoveValue], ...] = ()
+
+    def columns(self) -> dict[str, MoveValue]:
+        return dict(self.values)
+
+
+@dataclass(frozen=True, slots=True)
+class EventOutcome:
+    moves: tuple[ReplicaMove, ...]  # in event order
+    replicas: tuple[ReplicaView, ...]  # the replicas once every move is booked
+    sources: tuple[int, ...] = ()  # the index of the event each move comes from
+
+
+def restart_delay(failures: int) -> float:
+    """Seconds before a replica that failed `failures` times in a row is started again."""
+    return min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2.0 ** (failures - 1))
+
+
+def failure_move(replica: ReplicaView, at: float, why: str) -> ReplicaMove:
+    """The move of a replica that failed (or whose process is gone) at `at`."""
+    state = _state(replica)
+    failures = replica.failures + 1
+    if state == R.PARKED:  # a sleeping replica whose process is gone: it must start anew
+        return ReplicaMove(
+            replica.id, R.PARKED, R.FAILED, at, f"failed: {why}", (("failures", failures), ("retry_at", at))
+        )
+    delay = restart_delay(failures)
+    return ReplicaMove(
+        replica.id,
+        state,
+        R.FAILED,
+        at,
+        f"failed: {why}; restart in {delay:g}s",
+        (("failures", failures), ("retry_at", at + delay), ("parked_as", None)),
+    )
+
+
+def event_move(replica: ReplicaView, event: ReplicaEventLike) -> ReplicaMove | None:
+    """What `event` does to `replica` (None: nothing); see the table in the module docstring."""
+    state = _state(replica)
+    kind = event.kind
+    if kind == "healthy" and state in (R.STARTING, R.WAKING):
+        return ReplicaMove(replica.id, state, R.SERVING, event.at, "healthy: serving", (("failures", 0),))
+    if kind == "asleep" and state == R.PARKING:
+        return ReplicaMove(replica.id, R.PARKING, R.PARKED, event.at, "asleep", (("parked_as", "sleep"),))
+    if kind == "stopped" and state == R.PARKING:
+        return ReplicaMove(replica.id, R.PARKING, R.PARKED, event.at, "stopped", (("parked_as", "stop"),))
+    if kind in ("failed", "stopped") and state != R.FAILED:
+        return failure_move(replica, event.at, event.detail or kind)
+    return None
+
+
+def moved(replica: ReplicaView, move: ReplicaMove) -> ReplicaView:
+    """`replica` once `move` is booked (what the store's guarded writer records)."""
+    values = move.columns()
+    failures = values.get("failures", replica.failures)
+    retry_at = values.get("retry_at", replica.retry_at)
+    return replace(
+        replica,
+        state=move.target,
+        since=move.at,
+        failures=failures if isinstance(failures, int) else replica.failures,
+        retry_at=float(retry_at) if isinstance(retry_at, int | float) else replica.retry_at,
+        parked_as=_park_mode(values["parked_as"]) if "parked_as" in values else replica.parked_as,
+    )
+
+
+def settle_events(replicas: Sequence[ReplicaView], events: Sequence[ReplicaEventLike]) -> EventOutcome:
+    """The moves `events` make, in order (a later event sees what an earlier one did); events
+    for replicas the store does not know are ignored."""
+    by_id = {r.id: r for r in replicas}
+    moves: list[ReplicaMove] = []
+    sources: list[int] = []
+    for index, ev in enumerate(events):
+        replica = by_id.get(ev.replica_id)
+        if replica is None:
+            continue
+        move = event_move(replica, ev)
+        if move is not None:
+            moves.append(move)
+            sources.append(index)
+            by_id[replica.id] = moved(replica, move)
+    if not moves:
+        return EventOutcome((), tuple(replicas))
+    return EventOutcome(tuple(moves), tuple(by_id.values()), tuple(sources))
+
+
+# -- the decision -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceEvent:
+    """A service event to write (e.g. an alert)."""
+
+    service: str
+    replica_id: str | None
+    at: float
+    kind: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceOutcome:
+    """One service after this tick's decision (what the API shows)."""
+
+    name: str
+    decision: ScaleDecision
+    signals: ServiceSignals
+    fresh_at: float | None  # when its data was last trustworthy
+    target: int  # replicas to have: max(desired, what the envelope claims for it)
+    blocked: str  # why replicas it wants cannot be brought up now ("" if none)
+    alert: str  # what an operator must look at ("" if nothing)
+
+
+@dataclass(frozen=True, slots=True)
+class ScalePlan:
+    """The first half of the decision: services, envelope and replica plan."""
+
+    services: tuple[ServiceOutcome, ...]  # in configured order
+    alerts: tuple[ServiceEvent, ...]
+    envelope: Envelope
+    views: tuple[ServiceView, ...]  # as planned: the service furthest below its target first
+    replica_plan: ReplicaPlan
+    step_gpus: Mapping[str, Set[int]]  # GPU indices per node the running steps hold
+    lent_gpus: int  # how many GPUs the running steps hold
+    active_lent_gpus: int  # how many of them steps without notice hold
+    busy: Mapping[str, Set[int]]  # GPU indices per node steps or replicas hold, before the plan
+    memory: InferenceMemory  # the next memory, but for `surge_at` (the reclaim decision's)
+    follow_up: bool  # a drain or undrain: it settles at a later tick
+
+
+@dataclass(frozen=True, slots=True)
+class InferencePlan:
+    scale: ScalePlan
+    replicas: tuple[ReplicaView, ...]  # the replicas once the replica plan is carried out
+    reclaim: ReclaimDecision
+    unavailable: frozenset[GpuRef]  # GPUs the step scheduler must not use this tick
+    next_due: float | None  # the earliest time a decision changes with nothing new observed
+    follow_up: bool  # something this plan starts settles only at a later tick
+    memory: InferenceMemory  # for the next tick
+
+    @property
+    def envelope(self) -> Envelope:
+        return self.scale.envelope
+
+    @property
+    def replica_plan(self) -> ReplicaPlan:
+        return self.scale.replica_plan
+
+
+def decide_inference(snapshot: InferenceSnapshot) -> InferencePlan:
+    """The whole decision of the inference half of a tick; see the module docstring."""
+    scale = decide_services(snapshot)
+    after = apply_actions(snapshot.replicas, scale.replica_plan.actions, snapshot.services, snapshot.now)
+    return complete(snapshot, scale, after)
+
+
+def decide_services(snapshot: InferenceSnapshot) -> ScalePlan:
+    """Scale decisions, alerts, the envelope and the replica plan."""
+    now, memory, lending = snapshot.now, snapshot.memory, snapshot.lending
+    mine: dict[str, list[ReplicaView]] = {s.name: [] for s in snapshot.services}
+    for r in snapshot.replicas:
+        if r.service in mine:
+            mine[r.service].append(r)
+    step_gpus, lent, active_lent = _step_gpus(snapshot.running)
+    scale_states = dict(memory.scale_states)
+    history_all = dict(memory.needed_history)
+    profiles = dict(memory.profiles)
+    alerts = dict(memory.alerts)
+    fresh = dict(memory.fresh_at)
+    window = max(GROWTH_WINDOW_MIN_S, lending.reclaim_lead_s)
+    decisions: dict[str, ScaleDecision] = {}
+    signals_of: dict[str, ServiceSignals] = {}
+    inputs: list[ServiceLendingInput] = []
+    events: list[ServiceEvent] = []
+    for rules in snapshot.services:
+        name, spec = rules.name, rules.spec
+        replicas = mine[name]
+        signals = snapshot.signals.get(name)
+        if signals is None:
+            signals = ServiceSignals(service=name, at=now)
+        signals_of[name] = signals
+        fresh_at = fresh.get(name)
+        if any(not s.stale for s in signals.replicas) and not signals.source_error:
+            fresh_at = now
+        elif not any(r.state in _SCRAPED for r in replicas):
+            fresh_at = now if fresh_at is None else fresh_at
+        fresh[name] = fresh_at
+        supply = ReplicaSupply(
+            serving=sum(r.state == R.SERVING for r in replicas),
+            starting=sum(r.state == R.STARTING for r in replicas),
+            waking=sum(r.state == R.WAKING for r in replicas),
+        )
+        state = scale_states.get(name) or initial_state(spec)
+        decision = decide_scale(spec, signals, supply, state, now)
+        scale_states[name] = decision.state
+        decisions[name] = decision
+        history = history_all.get(name, ())
+        if not decision.unknown:
+            history = _window((*history, (now, decision.needed)), now - window)
+            history_all[name] = history
+            if lending.mode == "forecast":
+                profile = profiles.get(name) or WeeklyProfile.empty(lending.timezone)
+                profiles[name] = profile.observe(now, float(decision.needed))
+        held = sum(len(r.gpus) for r in replicas if r.state in GPU_HOLDING_REPLICA_STATES)
+        age = None if fresh_at is None else now - fresh_at
+        failing = failures_in_a_row(replicas)
+        if failing >= FAILURES_BEFORE_ALERT:
+            # A service that cannot bring replicas up is not safe to lend from.
+            message = f"{failing} replica start failures in a row: no new lending from {name}"
+            if alerts.get(name, "") != message:  # once per new situation, not every tick
+                events.append(ServiceEvent(name, None, now, "alert", message))
+            alerts[name] = message
+            age = max(age or 0.0, lending.stale_after_s + 1.0)
+        else:
+            alerts[name] = ""
+        peak = forecast_peak(profiles.get(name), now, lending)
+        inputs.append(
+            ServiceLendingInput(
+                spec=spec,
+                decision=decision,
+                held_gpus=held,
+                signals_age_s=age,
+                growth_per_s=growth_per_s(history),
+                forecast_needed=peak[0] if peak else None,
+                forecast_at=peak[1] if peak else None,
+            )
+        )
+    pool = sum(n.gpu_count for n in snapshot.nodes)
+    env = envelope(now=now, pool_gpus=pool, services=inputs, policy=lending, currently_lent_gpus=lent)
+    by_id = {r.id: r for r in snapshot.replicas}
+    views = [
+        _service_view(
+            rules, max(decisions[rules.name].desired, env.claims.get(rules.name, 0)), by_id, snapshot
+        )
+        for rules in snapshot.services
+    ]
+    targets = {v.spec.name: v.desired for v in views}
+    # Services furthest below their target go first when GPUs are short.
+    views.sort(key=lambda v: -(v.desired - sum(r.state in _UP for r in v.replicas)))
+    busy = _union(step_gpus, _replica_gpus(snapshot.replicas))
+    plan = plan_replicas_on(views, snapshot.nodes, busy, now)
+    outcomes = tuple(
+        ServiceOutcome(
+            name=rules.name,
+            decision=decisions[rules.name],
+            signals=signals_of[rules.name],
+            fresh_at=fresh[rules.name],
+            target=targets[rules.name],
+            blocked="; ".join(b.reason for b in plan.blocked if b.service == rules.name),
+            alert=alerts[rules.name],
+        )
+        for rules in snapshot.services
+    )
+    return ScalePlan(
+        services=outcomes,
+        alerts=tuple(events),
+        envelope=env,
+        views=tuple(views),
+        replica_plan=plan,
+        step_gpus=step_gpus,
+        lent_gpus=lent,
+        active_lent_gpus=active_lent,
+        busy=busy,
+        memory=replace(
+            memory,
+            scale_states=scale_states,
+            needed_history=history_all,
+            profiles=profiles,
+            alerts=alerts,
+            fresh_at=fresh,
+        ),
+        # A drain ends at a later tick; everything else this tick starts reports back through
+        # the service manager's events.
+        follow_up=any(a.kind in ("drain", "undrain") for a in plan.actions),
+    )
+
+
+def apply_actions(
+    replicas: Sequence[ReplicaView],
+    actions: Sequence[ReplicaAction],
+    services: Sequence[ServiceRules],
+    now: float,
+) -> tuple[ReplicaView, ...]:
+    """The replicas once every action is booked: start/wake → STARTING/WAKING on the action's
+    GPUs, drain → DRAINING, undrain → SERVING, park → PARKING (each since `now`)."""
+    if not actions:
+        return tuple(replicas)
+    base_port = {s.name: s.base_port for s in services}
+    by_id = {r.id: r for r in replicas}
+    added = False
+    for a in actions:
+        current = by_id.get(a.replica_id)
+        if a.kind in ("start", "wake"):
+            slot = int(a.replica_id.rsplit("/", 1)[1])
+            state = R.WAKING if a.kind == "wake" else R.STARTING
+            port = base_port.get(a.service, 0) + slot
+            if current is None:
+                added = True
+                by_id[a.replica_id] = ReplicaView(
+                    a.replica_id, a.service, slot, state, a.node, a.gpus, None, now, 0.0, 0, 0, port
+                )
+            else:
+                by_id[a.replica_id] = replace(
+                    current, state=state, node=a.node, gpus=a.gpus, port=port, parked_as=None, since=now
+                )
+        elif current is not None:
+            target = {"drain": R.DRAINING, "undrain": R.SERVING, "park": R.PARKING}[a.kind]
+            by_id[a.replica_id] = replace(current, state=target, since=now)
+    out = by_id.values()
+    return tuple(sorted(out, key=lambda r: (r.service, r.slot, r.id))) if added else tuple(out)
+
+
+def complete(snapshot: InferenceSnapshot, scale: ScalePlan, replicas: Sequence[ReplicaView]) -> InferencePlan:
+    """The second half of the decision, on the replicas as they are after the replica plan:
+    the reclaim decision, the GPUs research may not take, and when to decide again."""
+    now = snapshot.now
+    replicas = tuple(replicas)
+    by_id = {r.id: r for r in replicas}
+    deficits = {
+        v.spec.name: v.desired
+        - sum(by_id[r.id].state in SUPPLY_REPLICA_STATES for r in v.replicas if r.id in by_id)
+        for v in scale.views
+    }
+    env = scale.envelope
+    reclaim = decide_reclaim(
+        now=now,
+        nodes=snapshot.nodes,
+        specs={s.name: s.spec for s in snapshot.services},
+        reclaim_grace={s.name: s.reclaim_grace_s for s in snapshot.services},
+        running=snapshot.running,
+        replicas=replicas,
+        replica_plan=scale.replica_plan,
+        envelope=env,
+        deficits=deficits,
+        surge_at=snapshot.memory.surge_at,
+        reclaims=snapshot.reclaims,
+        step_gpus=scale.step_gpus,
+        active_lent=scale.active_lent_gpus,
+    )
+    # Without an action the replicas are those the plan saw, and so are the busy GPUs.
+    busy = scale.busy if replicas is snapshot.replicas else _union(scale.step_gpus, _replica_gpus(replicas))
+    affinity: dict[str, set[int]] = {}
+    for r in replicas:
+        if r.state == R.PARKED and r.parked_as == "sleep" and r.node:
+            affinity.setdefault(r.node, set()).update(r.gpus)
+    offer = research_offer(
+        snapshot.nodes,
+        busy=busy,
+        affinity=affinity,
+        new_lendable=env.lendable_gpus - scale.lent_gpus,
+    )
+    memory = replace(scale.memory, surge_at=reclaim.surge_at)
+    return InferencePlan(
+        scale=scale,
+        replicas=replicas,
+        reclaim=reclaim,
+        unavailable=_unavailable(snapshot.nodes, scale.step_gpus, offer),
+        next_due=next_due(snapshot, scale, replicas, reclaim, memory),
+        follow_up=scale.follow_up,
+        memory=memory,
+    )
+
+
+def next_due(
+    snapshot: InferenceSnapshot,
+    scale: ScalePlan,
+    replicas: Sequence[ReplicaView],
+    reclaim: ReclaimDecision,
+    memory: InferenceMemory,
+) -> float | None:
+    """When this side must decide again although nothing was observed to change (None: not on
+    its own); see the module docstring."""
+    now, lending = snapshot.now, snapshot.lending
+    specs = {s.name: s.spec for s in snapshot.services}
+    times = [t for o in scale.services if (t := next_decision_at(o.decision, specs[o.name])) is not None]
+    times += [r.retry_at for r in replicas if r.state == R.FAILED and r.retry_at and r.retry_at > now]
+    edge = next_lending_edge(now, lending)
+    if edge is not None:
+        times.append(edge)
+    if reclaim.abandon_at is not None and reclaim.abandon_at > now:
+        times.append(reclaim.abandon_at)
+    # The growth reserve changes as readings leave the slope's window.
+    window = max(GROWTH_WINDOW_MIN_S, lending.reclaim_lead_s)
+    times += [
+        h[0][0] + window for h in memory.needed_history.values() if len(h) > 1 and h[0][0] + window > now
+    ]
+    if lending.mode == "forecast":
+        horizon = now + lending.reclaim_lead_s
+        times.append((math.floor(horizon / FORECAST_STEP_S) + 1) * FORECAST_STEP_S - lending.reclaim_lead_s)
+    return min(times, default=None)
+
+
+# -- the service's numbers ------------------------------------------------------------------------
+
+
+def failures_in_a_row(replicas: Iterable[ReplicaView]) -> int:
+    """Failed starts in a row of one service's replicas: the most failures of a FAILED replica
+    that failed since a replica of the service last became healthy (0: none)."""
+    replicas = tuple(replicas)
+    healthy_since = max((r.since for r in replicas if r.state == R.SERVING), default=-math.inf)
+    return max((r.failures for r in replicas if r.state == R.FAILED and r.since > healthy_since), default=0)
+
+
+def growth_per_s(history: Sequence[tuple[float, int]]) -> float | None:
+    """Replicas per second the needed count rose over `history` (None: too little data): the
+    least-squares slope, so that one old low point does not read as a rising trend."""
+    if len(history) < 2 or history[-1][0] - history[0][0] <= 0:
+        return None
+    n = len(history)
+    mean_t = sum(t for t, _ in history) / n
+    mean_v = sum(v for _, v in history) / n
+    var = sum((t - mean_t) ** 2 for t, _ in history)
+    if var <= 0:
+        return None
+    return sum((t - mean_t) * (v - mean_v) for t, v in history) / var
+
+
+def forecast_peak(
+    profile: WeeklyProfile | None, now: float, lending: LendingPolicy
+) -> tuple[int, float] | None:
+    """The peak of needed replicas the weekly profile predicts within the lead time, and when
+    (None: not mode `forecast`, or nothing predicted)."""
+    if lending.mode != "forecast" or profile is None:
+        return None
+    peak = profile.peak_within(now, lending.reclaim_lead_s)
+    return None if peak is None else (math.ceil(peak[0]), peak[1])
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _state(replica: ReplicaView) -> ReplicaState:
+    if replica.state is None:
+        raise ValueError(f"replica {replica.id} has no record")
+    return replica.state
+
+
+def _park_mode(value: object) -> ParkMode | None:
+    if value == "sleep":
+        return "sleep"
+    return "stop" if value else None
+
+
+def _window(history: tuple[tuple[float, int], ...], since: float) -> tuple[tuple[float, int], ...]:
+    start = 0
+    while start < len(history) and history[start][0] < since:
+        start += 1
+    return history[start:] if start else history
+
+
+def _service_view(
+    rules: ServiceRules, target: int, by_id: Mapping[str, ReplicaView], snapshot: InferenceSnapshot
+) -> ServiceView:
+    spec = rules.spec
+    slots = []
+    for slot in range(spec.max_replicas):
+        rid = f"{spec.name}/{slot}"
+        r = by_id.get(rid)
+        if r is None:
+            slots.append(_empty_slot(rid, spec.name, slot))
+            continue
+        in_flight = snapshot.in_flight.get(rid, 0)
+        slots.append(r if r.in_flight == in_flight else replace(r, in_flight=in_flight))
+    return ServiceView(spec, target, tuple(slots), rules.drain_timeout_s)
+
+
+@lru_cache(maxsize=1024)
+def _empty_slot(rid: str, service: str, slot: int) -> ReplicaView:
+    return ReplicaView(rid, service, slot, None)
+
+
+def _step_gpus(running: Iterable[RunningStep]) -> tuple[dict[str, set[int]], int, int]:
+    """The running steps' GPU indices per node, how many GPUs that is, and how many of them
+    steps without notice hold."""
+    held: dict[str, set[int]] = {}
+    active = 0
+    for s in running:
+        if not s.gpus:
+            continue
+        mine = held.get(s.node)
+        if mine is None:
+            held[s.node] = set(s.gpus)
+        else:
+            mine.update(s.gpus)
+        if not s.stopping:
+            active += len(s.gpus)
+    return held, sum(len(v) for v in held.values()), active
+
+
+def _replica_gpus(replicas: Iterable[ReplicaView]) -> dict[str, set[int]]:
+    held: dict[str, set[int]] = {}
+    for r in replicas:
+        if r.node and r.state in GPU_HOLDING_REPLICA_STATES:
+            held.setdefault(r.node, set()).update(r.gpus)
+    return held
+
+
+def _union(a: Mapping[str, Set[int]], b: Mapping[str, Set[int]]) -> dict[str, Set[int]]:
+    out: dict[str, Set[int]] = dict(a)
+    for node, indices in b.items():
+        mine = out.get(node)
+        out[node] = indices if mine is None else mine | indices
+    return out
+
+
+def _unavailable(
+    nodes: tuple[Node, ...], steps: Mapping[str, Set[int]], offer: Mapping[str, list[int]]
+) -> frozenset[GpuRef]:
+    """Every GPU of the pool that no step holds and research is not offered."""
+    key = []
+    for n in nodes:
+        held = steps.get(n.name)
+        offered = offer.get(n.name)
+        if held or offered:
+            out = {*(held or ()), *(offered or ())}
+            key.append((n.name, tuple(i for i in n.gpus if i not in out)))
+        else:
+            key.append((n.name, n.gpus))
+    return _gpu_set(tuple(key))
+
+
+@lru_cache(maxsize=64)
+def _gpu_set(key: tuple[tuple[str, tuple[int, ...]], ...]) -> frozenset[GpuRef]:
+    """The GPUs named by (node, indices) pairs; the same set is often asked for tick after tick
+    (the pool changes hands far less often than the loop ticks), so it is built once."""
+    return frozenset(GpuRef(node, i) for node, indices in key for i in indices)
