@@ -371,3 +371,72 @@ def test_the_oracle_harvest_is_the_idle_capacity_fed_by_the_jobs_work() -> None:
     both = oracle_harvest_gpu_seconds(svc, 8, 6 * H, [first, second], 120.0)
     assert both == pytest.approx(2 * 3720 + 4 * 2 * H)
     assert both <= oracle_idle_gpu_seconds(svc, 8, 6 * H) == pytest.approx(4 * 6 * H)
+
+
+def test_simulate_reads_a_cluster_file_in_lowtides_own_format(tmp_path: Path) -> None:
+    cluster = tmp_path / "lowtide.yaml"
+    cluster.write_text(
+        """
+nodes:
+  - {name: a, gpus: 8}
+  - {name: b, gpus: 8}
+lending: {mode: continuous}
+services:
+  - name: chat
+    model: m
+    gpus_per_replica: 4
+    max_replicas: 3
+    park: sleep
+    simulation: {replica_capacity_rps: 4, load_share: 0.5, slo_ttft_p90: 1.5}
+  - name: code
+    model: c
+    gpus_per_replica: 2
+    max_replicas: 2
+    base_port: 8200
+"""
+    )
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        app,
+        [
+            "simulate",
+            "--load",
+            "synthetic:diurnal,rate=2,peak=8",
+            "--jobs",
+            "synthetic:jobs=20",
+            "--cluster",
+            str(cluster),
+            "--days",
+            "1",
+            "--out",
+            str(out),
+            "--json",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["gpus"] == 16 and summary["nodes"] == 2
+    assert summary["services"] == ["chat", "code"]
+    assert set(summary["slo_violation_minutes_by_service"]) == {"chat", "code"}
+
+
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [
+        ("nodes: [{name: a, gpus: auto}]\nservices: [{name: s, model: m}]\n", "nodes[0].gpus"),
+        ("nodes: [{name: a, gpus: 4}]\n", "services"),
+        (
+            "nodes: [{name: a, gpus: 4}]\nservices: [{name: s, model: m, simulation: {load_share: 2}}]\n",
+            "load_share",
+        ),
+    ],
+)
+def test_simulate_names_what_is_wrong_in_a_cluster_file(tmp_path: Path, document: str, message: str) -> None:
+    cluster = tmp_path / "lowtide.yaml"
+    cluster.write_text(document)
+    result = CliRunner().invoke(
+        app,
+        ["simulate", "--load", "synthetic", "--cluster", str(cluster), "--days", "1", "--out", str(tmp_path)],
+    )
+    assert result.exit_code == 2, result.output
+    assert message in result.output
