@@ -25,8 +25,7 @@ two real runs side by side: each mostly waits on cold starts, a drain and a stab
   5 × 0.05 s, or none; 0.05 s to finish the step in progress and checkpoint on notice). Each job
   is submitted at the second the real one was, and the load curve steps up at the second the
   real surge began and down at the second it stopped (seconds from the moment `chat/0` was
-  started). `max_gap_s` is the tick: production looks at least every `tick_seconds`, and the
-  world's default gap (300 s) would miss this surge (see below).
+  started). The world's own clock jumps are used (see below).
 - **Decision log.** From each store (the real run's SQLite file, the simulator's MemoryStore)
   through the same `Store` methods: steps started (job/step, attempt number, node, GPUs, resumed
   from a checkpoint or not), replica state changes (replica id = service/slot; where a start or a
@@ -46,11 +45,14 @@ real trainers take their own time to start, checkpoint and exit; the real gatewa
 requests in flight while the simulator has none (the drained replica is the highest slot with
 nothing in flight in both). None of these may change a decision or its order here.
 
-Known limit (why `max_gap_s` is the tick here): the world jumps its clock to the next event, but
-while a service is overloaded its modelled backlog grows between ticks and changes what the
-autoscaler reads. With `--max-num-seqs` equal to the concurrency target, an overload shows only
-through that backlog, so with the default gap the replay first sees the surge when the load
-curve next changes (here: when the load goes *down*) and preempts then.
+Found by this test and fixed: (1) the world jumped its clock only to events, but while a service
+is overloaded its modelled backlog grows between ticks and changes what the autoscaler reads
+(with `--max-num-seqs` equal to the concurrency target an overload shows only through that
+backlog, so the replay first saw the surge when the load went *down*); `sim.world` now ticks every
+`tick_s` while any service is overloaded or has a backlog. (2) After the surge had passed and
+the extra replica parked, the lending growth reserve still read a rising trend (the least-squares
+slope of a 1 → 2 → 1 bump late in its window is positive) and held the resume back;
+`policy.inference.growth_per_s` is now 0 once the needed count has come down within the window.
 """
 
 from __future__ import annotations
@@ -404,7 +406,6 @@ def replay(real: RealRun, park: str) -> tuple[ReplayWorld, list[Decision]]:
         steps=StepDefaults(
             grace_s=JOB_GRACE_S, restart_s=RESTART_S, checkpoint_every_s=0.0, checkpoint_write_s=STEP_S
         ),
-        max_gap_s=TICK_S,
     )
     world = ReplayWorld(
         scenario, {name: (every * STEP_S if every < NEVER else 0.0) for name, every in TRAINERS}

@@ -26,6 +26,7 @@ from lowtide.policy.inference import (
     event_move,
     failure_move,
     failures_in_a_row,
+    growth_per_s,
     restart_delay,
     settle_events,
 )
@@ -506,3 +507,16 @@ def test_a_reclaim_is_done_when_a_replica_serves_since_its_decision() -> None:
     updates, due = track_reclaims(T + 5000, [fact], replicas)  # late, but healthy wins
     assert updates == (PhaseUpdate(1, (("healthy_at", T + 40), ("state", ReclaimState.DONE))),)
     assert due is None
+
+
+def test_a_count_that_came_back_down_is_not_growing() -> None:
+    """Needed rose 1 → 2 and fell back to 1 within the window: the least-squares slope of that bump
+    is positive when the bump sits late in the window (it held research back after a surge had
+    passed; found replaying the real reclaim story), but nothing is growing."""
+    bump = [(0.0, 1), (4.7, 2), (5.0, 2), (5.5, 2), (6.0, 2), (15.3, 1), (15.8, 1)]
+    assert growth_per_s(bump) == 0.0
+    ramp = [(float(t), 1 + t // 4) for t in range(0, 17)]
+    slope = growth_per_s(ramp)
+    assert slope is not None and 0.2 < slope < 0.3
+    assert growth_per_s([(0.0, 1), (10.0, 3)]) == 0.2  # two readings: the plain slope
+    assert growth_per_s([(5.0, 1)]) is None

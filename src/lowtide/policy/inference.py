@@ -524,10 +524,14 @@ def failures_in_a_row(replicas: Iterable[ReplicaView]) -> int:
 
 def growth_per_s(history: Sequence[tuple[float, int]]) -> float | None:
     """Replicas per second the needed count rose over `history` (None: too little data): the
-    least-squares slope, so that one old low point does not read as a rising trend."""
-    if len(history) < 2 or history[-1][0] - history[0][0] <= 0:
-        return None
+    least-squares slope, so that one old low point does not read as a rising trend; 0 once the
+    count has come down from its peak within the window (needed only falls after a whole
+    stabilisation window of lower load: whatever rose before has passed, nothing grows now)."""
     n = len(history)
+    if n < 2 or history[-1][0] - history[0][0] <= 0:
+        return None
+    if history[-1][1] < max(v for _, v in history):
+        return 0.0
     mean_t = sum(t for t, _ in history) / n
     mean_v = sum(v for _, v in history) / n
     var = sum((t - mean_t) ** 2 for t, _ in history)
