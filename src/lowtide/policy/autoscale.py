@@ -1,8 +1,9 @@
 """How many replicas each inference service should have: the autoscaler (pure).
 
 Role: turn a service's load (`ServiceSignals`), what it has (`ReplicaSupply`) and what was decided
-before (`ScaleState`) into a `ScaleDecision`. Neighbours: `control.inference` calls
-`decide_scale` once per service per tick and keeps the returned state; `policy.lending` reads
+before (`ScaleState`) into a `ScaleDecision`. Neighbours: `policy.inference` calls
+`decide_scale` once per service per tick (`control.inference` keeps the returned state between
+ticks); `policy.lending` reads
 the decision (desired replicas, unknown); `policy.replicas` starts and parks replicas to match.
 Must not: read the clock (`now` is passed), do I/O, mutate its inputs, or turn unknown load
 into "no load".

@@ -2,9 +2,10 @@
 
 Role: remember how much a service needed at each hour of the week, so that mode `forecast` of
 `policy.lending` can take GPUs back *before* a ramp it has seen before (the morning peak).
-Neighbours: `control.inference` observes each tick's `ScaleDecision.needed` (ticks with known
+Neighbours: `policy.inference` observes each tick's `ScaleDecision.needed` (ticks with known
 data only), asks `peak_within(now, reclaim_lead_s)` and passes the peak to `policy.lending` as
-`forecast_needed` / `forecast_at`; it persists the profile with `to_dict` / `from_dict`.
+`forecast_needed` / `forecast_at`; `control.inference` persists the profile with `to_dict` /
+`from_dict`.
 Must not: read the clock (times are passed), do I/O, or change a profile in place (`observe`
 returns a new one).
 
