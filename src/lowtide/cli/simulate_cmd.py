@@ -16,21 +16,18 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, get_args
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, get_args
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
 from lowtide.cli.output import console
-from lowtide.config import ConfigError
-from lowtide.emulator.traces import TraceSpecError
-from lowtide.sim.fleet import FleetOptions, cluster_scenario, default_scenario, load_cluster
-from lowtide.sim.jobs import JobTraceError, job_workload, parse_jobs_spec
-from lowtide.sim.load import load_curve
-from lowtide.sim.report import plots, render_html
-from lowtide.sim.run import PolicyRun, compare
-from lowtide.sim.scenario import POLICIES, PolicyName, Scenario
+from lowtide.sim.policies import POLICIES, PolicyName
+
+if TYPE_CHECKING:  # the simulator (and matplotlib) load only when the command runs
+    from lowtide.sim.run import PolicyRun
+    from lowtide.sim.scenario import Scenario
 
 simulate_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, subcommand_metavar="")
 out = console()
@@ -69,6 +66,10 @@ def build_scenario(
     load: str, jobs: str, cluster: Path | None, days: float, seed: int, data_dir: Path | None
 ) -> Scenario:
     """The scenario the options describe; raises the loaders' located errors (caught by the command)."""
+    from lowtide.sim.fleet import FleetOptions, cluster_scenario, default_scenario, load_cluster  # noqa: PLC0415
+    from lowtide.sim.jobs import job_workload, parse_jobs_spec  # noqa: PLC0415
+    from lowtide.sim.load import load_curve  # noqa: PLC0415
+
     curve = load_curve(load, days=days, data_root=data_dir)
     job_spec = parse_jobs_spec(jobs, data_dir)
     if cluster is not None:
@@ -111,6 +112,8 @@ def print_table(runs: list[PolicyRun]) -> None:
 
 
 def write_single(run: PolicyRun, out_dir: Path) -> None:
+    from lowtide.sim.report import plots, render_html  # noqa: PLC0415  (matplotlib: only here)
+
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.json").write_text(json.dumps(run.summary, indent=2, sort_keys=True) + "\n")
     images: dict[str, str] = {}
@@ -150,6 +153,11 @@ def simulate_command(
     ] = False,
 ) -> None:
     """Run lowtide's own control loop on a virtual clock over a load trace and research jobs."""
+    from lowtide.config import ConfigError  # noqa: PLC0415  (the simulator loads only when it runs)
+    from lowtide.emulator.traces import TraceSpecError  # noqa: PLC0415
+    from lowtide.sim.jobs import JobTraceError  # noqa: PLC0415
+    from lowtide.sim.run import compare  # noqa: PLC0415
+
     if not (0 < days <= 366) or not math.isfinite(days):
         _bad_input(f"--days: must be > 0 and at most 366, got {days:g}")
     if not (price >= 0 and math.isfinite(price)):

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lowtide.sim.oracle import oracle_harvest_gpu_seconds, oracle_idle_gpu_seconds
-from lowtide.sim.scenario import PolicyName, Scenario, policy_variant
+from lowtide.sim.policies import PolicyName
+from lowtide.sim.scenario import Scenario, policy_variant
 from lowtide.sim.summary import baseline_figures, oracle_summary, summarize
 from lowtide.sim.world import RunTrace, SimWorld
 

@@ -9,7 +9,6 @@ same fleet, load and jobs. Must not: run anything, read files or the clock.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal
 
 from lowtide.control.inference import ServiceSetup
 from lowtide.domain.gpus import Node
@@ -19,10 +18,9 @@ from lowtide.policy.scheduler import SchedulerPolicy
 from lowtide.sim.capacity import ReplicaCapacity
 from lowtide.sim.jobs import ResearchJob
 from lowtide.sim.load import LoadCurve
+from lowtide.sim.policies import PolicyName
 from lowtide.sim.ports import ReplicaTimes
 
-PolicyName = Literal["none", "window", "continuous", "forecast", "oracle"]
-POLICIES: tuple[PolicyName, ...] = ("none", "window", "continuous", "forecast", "oracle")
 #: The seed's night lending window, used by `window` when the scenario names none.
 DEFAULT_WINDOW = TimeWindow(20 * 60, 8 * 60)
 
