@@ -500,11 +500,14 @@ def next_due(
         times.append(edge)
     if reclaim.abandon_at is not None and reclaim.abandon_at > now:
         times.append(reclaim.abandon_at)
-    # The growth reserve changes as readings leave the slope's window.
+    # A growth reserve lasts until the readings below today's count have left the slope's window
+    # (a flat history has no reserve and nothing to wait for: no tick for it).
     window = max(GROWTH_WINDOW_MIN_S, lending.reclaim_lead_s)
-    times += [
-        h[0][0] + window for h in memory.needed_history.values() if len(h) > 1 and h[0][0] + window > now
-    ]
+    for h in memory.needed_history.values():
+        if len(h) > 1 and (growth_per_s(h) or 0.0) > 0:
+            lower = [t for t, v in h if v < h[-1][1]]
+            if lower and max(lower) + window > now:
+                times.append(max(lower) + window)
     if lending.mode == "forecast":
         horizon = now + lending.reclaim_lead_s
         times.append((math.floor(horizon / FORECAST_STEP_S) + 1) * FORECAST_STEP_S - lending.reclaim_lead_s)
