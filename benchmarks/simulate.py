@@ -38,13 +38,13 @@ def specs() -> tuple[str, str, bool]:
     alibaba = root / "traces" / "alibaba-gpu-v2023" / "openb_pod_list_default.csv"
     if servegen.is_dir() and alibaba.is_file():
         return f"servegen:{servegen}", f"alibaba:{alibaba}", True
-    return "synthetic", "synthetic:jobs=1000", False
+    return "synthetic", "synthetic#jobs=1000", False
 
 
 def scenario(days: float, *, nodes: int = 32, jobs: int | None = None) -> Scenario:
     load, job_text, _ = specs()
     if jobs is not None:
-        job_text += ("," if ":" in job_text else ":") + f"jobs={jobs}"
+        job_text += f"#jobs={jobs}"
     curve = load_curve(load, days=days)
     workload = job_workload(parse_jobs_spec(job_text), days=days, seed=1, max_gpus=8)
     return default_scenario(curve, workload.jobs, days=days, seed=1, options=FleetOptions(nodes=nodes))
