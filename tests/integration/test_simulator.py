@@ -371,6 +371,9 @@ def test_the_oracle_harvest_is_the_idle_capacity_fed_by_the_jobs_work() -> None:
     both = oracle_harvest_gpu_seconds(svc, 8, 6 * H, [first, second], 120.0)
     assert both == pytest.approx(2 * 3720 + 4 * 2 * H)
     assert both <= oracle_idle_gpu_seconds(svc, 8, 6 * H) == pytest.approx(4 * 6 * H)
+    # A job runs at most at its width: one GPU for 6 h, however many are idle.
+    long = ResearchJob("c", "t", 0.0, 1, 10 * H, "normal")
+    assert oracle_harvest_gpu_seconds(svc, 8, 6 * H, [long], 120.0) == pytest.approx(6 * H)
 
 
 def test_simulate_reads_a_cluster_file_in_lowtides_own_format(tmp_path: Path) -> None:

@@ -85,35 +85,52 @@ def oracle_harvest_gpu_seconds(
     jobs: Sequence[ResearchJob],
     restart_s: float,
 ) -> float:
-    """What an oracle could harvest from these jobs: idle GPUs (as above) fed by the jobs' work.
+    """What an oracle could harvest from these jobs: the idle GPUs above, fed by the jobs' work.
 
-    A fluid bound: each job brings `gpus × (work_s + restart_s)` GPU-seconds when it is submitted
-    (one load is unavoidable); the oracle runs the backlog on every idle GPU, without widths, gang
-    placement, notice or restarts. No policy that runs each job's work once does more; a policy
-    that preempts also spends GPU-time on restarts and lost work, which this does not count.
+    A fluid, work-conserving oracle: from its submit time each job needs `work_s + restart_s`
+    seconds on its `gpus` GPUs (one load is unavoidable) and runs at up to its width; while the
+    jobs present want more GPUs than are idle, they share the idle GPUs in proportion to their
+    widths. No placement, notice, restart or lost work. A policy that preempts also spends
+    GPU-time on reloads and lost work, which this does not count.
     """
-    cache: dict[tuple[str, float], int] = {}
-    arrivals = sorted((j.submit_s, j.gpus * (j.work_s + restart_s)) for j in jobs if j.submit_s < duration_s)
-    backlog = harvested = 0.0
-    t, k = 0.0, 0
-    while t < duration_s:
-        while k < len(arrivals) and arrivals[k][0] <= t:
-            backlog += arrivals[k][1]
-            k += 1
-        nxt = min([duration_s, *(s.curve.next_change_after(t) for s in services)])
-        if k < len(arrivals):
-            nxt = min(nxt, arrivals[k][0])
+    need_cache: dict[tuple[str, float], int] = {}
+
+    def idle_at(t: float) -> int:
         held = 0
         for s in services:
             rate = s.curve.rate_at(t)
             key = (s.name, rate)
-            if key not in cache:
-                cache[key] = needed_replicas(s, rate)
-            held += cache[key] * s.setup.spec.gpus_per_replica
-        run = min(backlog, max(0, pool_gpus - held) * (nxt - t))
-        harvested += run
-        backlog -= run
-        if not math.isfinite(nxt) or nxt <= t:
+            if key not in need_cache:
+                need_cache[key] = needed_replicas(s, rate)
+            held += need_cache[key] * s.setup.spec.gpus_per_replica
+        return max(0, pool_gpus - held)
+
+    arrivals = sorted(
+        (j.submit_s, j.gpus, j.gpus * (j.work_s + restart_s)) for j in jobs if j.submit_s < duration_s
+    )
+    active: list[list[float]] = []  # [width, GPU-seconds left]
+    harvested = 0.0
+    t, k = 0.0, 0
+    while t < duration_s:
+        while k < len(arrivals) and arrivals[k][0] <= t:
+            active.append([float(arrivals[k][1]), arrivals[k][2]])
+            k += 1
+        nxt = min([duration_s, *(s.curve.next_change_after(t) for s in services)])
+        if k < len(arrivals):
+            nxt = min(nxt, arrivals[k][0])
+        want = sum(w for w, _ in active)
+        share = min(1.0, idle_at(t) / want) if want > 0 else 0.0
+        if share > 0:
+            # The first job to finish at these rates ends the stretch early.
+            nxt = min(nxt, t + min(left / (w * share) for w, left in active))
+        nxt = max(nxt, t + 1e-6)  # a finish within float noise of now still moves time on
+        dt = nxt - t
+        if share > 0:
+            for job in active:
+                job[1] -= job[0] * share * dt
+            harvested += want * share * dt
+            active = [job for job in active if job[1] > 1e-6]
+        if not math.isfinite(nxt):
             break
         t = nxt
     return harvested
