@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import uvicorn
 import yaml
 
 from lowtide.config import Settings, load_settings
@@ -59,3 +63,24 @@ def tick_until(lt: Embedded, cond: Callable[[], T], timeout: float = 30.0, what:
         return cond()
 
     return wait_until(step, timeout=timeout, interval=0.05, what=what)
+
+
+class Served:
+    """An ASGI app on a free loopback port in a uvicorn thread (for CLI tests over real HTTP)."""
+
+    def __init__(self, app: Any) -> None:
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="off"))
+        self._thread = threading.Thread(
+            target=lambda: asyncio.run(self._server.serve([self._sock])), daemon=True
+        )
+        self._thread.start()
+        wait_until(lambda: self._server.started, timeout=10, what="the API server to start")
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=15)
+        self._sock.close()
+        assert not self._thread.is_alive()

@@ -17,20 +17,16 @@ GPUs, 105 EUR saved, 1 preemption, 2 GPU-h lost; nlp 24 (+20 %), vision 18 (new)
 
 from __future__ import annotations
 
-import asyncio
 import csv
 import dataclasses
 import io
 import json
-import socket
-import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 import yaml
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
@@ -46,7 +42,7 @@ from lowtide.domain.states import AttemptState, StepState
 from lowtide.policy.accounting import AccountingPolicy
 from lowtide.policy.outcomes import RetryPolicy, classify_exit
 from lowtide.wiring import Embedded, build
-from support import settings_for, wait_until
+from support import Served, settings_for
 
 H = 3600.0
 
@@ -309,27 +305,6 @@ def test_the_defaults_are_the_configured_price_currency_and_zone(fleet: Fleet) -
 
 
 # -- the CLI against the app served over real HTTP ------------------------------------------------
-
-
-class Served:
-    """The app on a free port in a uvicorn thread."""
-
-    def __init__(self, app: Any) -> None:
-        self._sock = socket.socket()
-        self._sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        self._server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="off"))
-        self._thread = threading.Thread(
-            target=lambda: asyncio.run(self._server.serve([self._sock])), daemon=True
-        )
-        self._thread.start()
-        wait_until(lambda: self._server.started, timeout=10, what="the API server to start")
-
-    def close(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=15)
-        self._sock.close()
-        assert not self._thread.is_alive()
 
 
 @pytest.fixture

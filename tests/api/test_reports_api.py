@@ -3,10 +3,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import socket
-import threading
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -14,7 +11,6 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
@@ -25,7 +21,7 @@ from lowtide.domain.states import StepState
 from lowtide.policy.accounting import AccountingPolicy
 from lowtide.policy.outcomes import RetryPolicy, classify_exit
 from lowtide.wiring import Embedded, build
-from support import settings_for, wait_until
+from support import Served, settings_for
 
 H = 3600.0
 NOW = 1_790_000_000.0  # 2026-09-21 14:13:20 UTC
@@ -238,27 +234,6 @@ def test_gpu_time_and_the_lost_work_line() -> None:
 
 
 # -- the CLI against the app served over real HTTP ------------------------------------------------
-
-
-class Served:
-    """The app on a free port in a uvicorn thread."""
-
-    def __init__(self, app: Any) -> None:
-        self._sock = socket.socket()
-        self._sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        self._server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="off"))
-        self._thread = threading.Thread(
-            target=lambda: asyncio.run(self._server.serve([self._sock])), daemon=True
-        )
-        self._thread.start()
-        wait_until(lambda: self._server.started, timeout=10, what="the API server to start")
-
-    def close(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=15)
-        self._sock.close()
-        assert not self._thread.is_alive()
 
 
 @pytest.fixture
