@@ -443,3 +443,20 @@ def test_simulate_names_what_is_wrong_in_a_cluster_file(tmp_path: Path, document
     )
     assert result.exit_code == 2, result.output
     assert message in result.output
+
+
+def test_the_same_inputs_and_seed_give_the_same_summary() -> None:
+    curve = LoadCurve(tuple(h * H for h in range(24)), tuple(5.0 + h for h in range(24)), period_s=24 * H)
+    rng = random.Random(7)
+    jobs = tuple(
+        ResearchJob(
+            f"j{i}", "t", rng.uniform(0, 20 * H), rng.choice([1, 2, 4]), rng.uniform(H, 5 * H), "normal"
+        )
+        for i in range(40)
+    )
+    s = default_scenario(curve, jobs, days=1.0, seed=3, options=FleetOptions(nodes=4, gpus_per_node=8))
+    first, second = (simulate(s, "continuous").summary for _ in range(2))
+    for volatile in ("wall_s", "simulated_s_per_wall_s"):
+        first.pop(volatile)
+        second.pop(volatile)
+    assert first == second
