@@ -123,10 +123,20 @@ class ExitWatcher:
                 for key, fd in pending:
                     self._apply(selector, key, fd)
                 ended = False
-                for selected, _ in selector.select():
+                ready = selector.select()
+                # A `forget` (or a new `watch`) may have arrived while select waited, in the same
+                # wake-up as the process's exit: apply it first, so a forgotten process does not
+                # report and a re-watched key is not taken for its old process.
+                with self._lock:
+                    pending, self._pending = self._pending, []
+                for key, fd in pending:
+                    self._apply(selector, key, fd)
+                for selected, _ in ready:
                     if selected.data is None:
                         with contextlib.suppress(BlockingIOError, OSError):
                             os.read(self._wake_r, 4096)
+                        continue
+                    if self._fds.get(selected.data) != selected.fd:
                         continue
                     self._drop(selector, selected.data)
                     ended = True
