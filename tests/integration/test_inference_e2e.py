@@ -12,7 +12,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,42 +22,18 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 import yaml
 
 from conftest import require_service
 from lowtide.emulator.loadgen import LoadReport, run_load_sync
 from lowtide.emulator.traces import FixedTokens, synthetic
+from reclaim_stack import consecutive_ports, free_ports, shim_groups
 from support import wait_until
 
 pytestmark = pytest.mark.slow
 
 STABILISATION_S = 15.0
-
-
-def free_ports(n: int, *, consecutive: bool = False) -> list[int]:
-    if not consecutive:
-        out = []
-        for _ in range(n):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                out.append(int(s.getsockname()[1]))
-        return out
-    for base in range(21000, 60000, 97):
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p))
-                socks.append(s)
-            return list(range(base, base + n))
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
 
 
 @dataclass
@@ -78,15 +53,6 @@ class Stack:
         return [r["state"] for r in self.chat()["replicas"]]
 
 
-def _replica_groups(root: Path) -> list[int]:
-    """Process groups of replica shims started for this test (their exit file is under `root`)."""
-    return [
-        p.pid
-        for p in psutil.process_iter(["cmdline"])
-        if "lowtide.adapters.step_shim" in (cmd := " ".join(p.info["cmdline"] or [])) and str(root) in cmd
-    ]
-
-
 def _kill_groups(groups: list[int]) -> None:
     for pgid in groups:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -101,7 +67,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
     if binary is None:
         require_service("prometheus", "the `prometheus` binary is not installed (Debian package prometheus)")
     api_port, gw_port, prom_port = free_ports(3)
-    base = free_ports(3, consecutive=True)[0]
+    base = consecutive_ports(3)
     prom_dir = tmp_path / "prometheus"
     prom_dir.mkdir()
     (prom_dir / "prometheus.yml").write_text(
@@ -200,14 +166,14 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
         wait_until(serving, timeout=60, what="the first replica to serve")
         yield st
         # `lowtide up --stop-replicas-on-exit`: a clean stop leaves no replica behind.
-        assert _replica_groups(tmp_path), "replica processes should be running before the stop"
+        assert shim_groups(tmp_path), "replica processes should be running before the stop"
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 0
-        wait_until(lambda: not _replica_groups(tmp_path), timeout=10, what="the replicas to be stopped")
+        wait_until(lambda: not shim_groups(tmp_path), timeout=10, what="the replicas to be stopped")
     finally:
         if server.poll() is None:
             server.kill()
-        _kill_groups(_replica_groups(tmp_path))
+        _kill_groups(shim_groups(tmp_path))
         prom.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):
             prom.wait(timeout=10)
