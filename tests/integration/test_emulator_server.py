@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
@@ -74,12 +76,18 @@ class Emulator:
             raise AssertionError(f"the emulator ignored signal {sig}; log:\n{self.log.read_text()}") from None
 
 
-def start(tmp: Path, *args: str) -> Emulator:
+def start(tmp: Path, *args: str, dev_mode: bool = True, wait: bool = True) -> Emulator:
+    """An emulator process; with `dev_mode`, VLLM_SERVER_DEV_MODE=1 (vLLM's dev endpoints, /sleep...)."""
     port = free_port()
     log = tmp / f"emulator-{port}.log"
     command = [sys.executable, "-m", "lowtide.cli.emulate_cmd", "vllm", "--port", str(port), "--model", MODEL]
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_SERVER_DEV_MODE"}
+    if dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     with log.open("wb") as out:
-        proc = subprocess.Popen([*command, "--no-access-log", *args], stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [*command, "--no-access-log", *args], stdout=out, stderr=subprocess.STDOUT, env=env
+        )
     emulator = Emulator(proc, f"http://127.0.0.1:{port}", log)
 
     def answers() -> bool:
@@ -91,7 +99,8 @@ def start(tmp: Path, *args: str) -> Emulator:
             return False
         return True
 
-    wait_until(answers, timeout=30, what="the emulator to answer /health")
+    if wait:
+        wait_until(answers, timeout=30, what="the emulator to answer /health")
     return emulator
 
 
@@ -136,25 +145,57 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
 # -- lifecycle -----------------------------------------------------------------------------------
 
 
-def test_health_is_503_during_the_cold_start_then_200(tmp_path: Path, emulators: list[Emulator]) -> None:
-    emulator = start(tmp_path, "--cold-start", "2")
-    emulators.append(emulator)
-    starting = emulator.get("/health")
-    assert_error(starting, 503, match="starting")
-    assert int(starting.headers["Retry-After"]) >= 1
-    refused = emulator.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
-    assert_error(refused, 503, match="starting")
-    assert emulator.value("vllm:num_requests_running") == 0  # /metrics answers from the start
+def connection_refused(emulator: Emulator) -> bool:
+    """True while the port refuses connections (bound, not listening), as vLLM's while it loads."""
+    try:
+        emulator.get("/health")
+    except httpx.ConnectError:
+        return True
+    return False
 
-    wait_until(
-        lambda: emulator.get("/health").status_code == 200, timeout=20, what="the end of the cold start"
-    )
+
+def test_connections_are_refused_during_the_cold_start_then_health_is_200(
+    tmp_path: Path, emulators: list[Emulator]
+) -> None:
+    emulator = start(tmp_path, "--cold-start", "3", wait=False)
+    emulators.append(emulator)
+    assert connection_refused(emulator)  # not a 503: vLLM does not listen before its engine is up
+    with pytest.raises(httpx.ConnectError):
+        emulator.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
+
+    wait_until(lambda: not connection_refused(emulator), timeout=30, what="the end of the cold start")
+    assert emulator.get("/health").status_code == 200
     done = emulator.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
     assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 4
+    assert emulator.value("vllm:num_requests_running") == 0
 
     assert emulator.stop(signal.SIGTERM) == 0
     log = emulator.log.read_text()
     assert "Application shutdown complete" in log and "stopped by SIGTERM" in log
+
+
+def test_sigterm_during_the_cold_start_exits_cleanly(tmp_path: Path, emulators: list[Emulator]) -> None:
+    emulator = start(tmp_path, "--cold-start", "600", wait=False)
+    emulators.append(emulator)
+    wait_until(lambda: "connections refused" in emulator.log.read_text() or emulator.proc.poll() is not None,
+               timeout=30, what="the emulator to begin its cold start")  # fmt: skip
+    assert connection_refused(emulator)
+    assert emulator.stop(signal.SIGTERM) == 0
+    assert "during the cold start" in emulator.log.read_text()
+
+
+def test_host_is_honoured(tmp_path: Path, emulators: list[Emulator]) -> None:
+    emulator = start(tmp_path, "--cold-start", "0", "--host", "127.0.0.1")
+    emulators.append(emulator)
+    port = int(emulator.url.rsplit(":", 1)[1])
+    assert emulator.get("/health").status_code == 200
+    # Bound to loopback only: the same port is free on the wildcard address for another socket
+    # only if nothing holds 0.0.0.0:port (binding the wildcard fails while a specific address of
+    # the same port is bound without SO_REUSEADDR on both; so check the listener's own address).
+    listening = [
+        c.laddr for c in psutil.Process(emulator.proc.pid).net_connections(kind="tcp") if c.status == "LISTEN"
+    ]
+    assert listening and all(addr.ip == "127.0.0.1" and addr.port == port for addr in listening)
 
 
 def test_sigint_ends_requests_in_flight_and_stops_the_server_cleanly(
@@ -420,39 +461,134 @@ def test_fifty_concurrent_requests_queue_behind_max_num_seqs(
     assert next(s.value for s in queue if s.name.endswith("_sum")) > 0
 
 
+def test_data_parallel_engines_each_have_their_series(tmp_path: Path, emulators: list[Emulator]) -> None:
+    emulator = start(tmp_path, "--cold-start", "0", "--data-parallel-size", "2")
+    emulators.append(emulator)
+    for n in range(2):
+        done = emulator.post("/v1/completions", json={"prompt": f"p{n}", "max_tokens": 2})
+        assert done.status_code == 200
+    metrics = emulator.metrics()
+    for family in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:engine_sleep_state"):
+        assert {s.labels["engine"] for s in metrics[family].samples} == {"0", "1"}, family
+    successes = {
+        s.labels["engine"]: s.value
+        for s in metrics["vllm:request_success"].samples
+        if s.name == "vllm:request_success_total" and s.labels["finished_reason"] == "length"
+    }
+    assert sum(successes.values()) == 2 and set(successes) == {"0", "1"}
+
+
 # -- sleep mode ----------------------------------------------------------------------------------
 
 
-def test_sleep_aborts_in_flight_requests_refuses_new_ones_and_wake_up_restores(
+def test_sleep_aborts_in_flight_requests_queues_new_ones_and_wake_up_serves_them(
     tmp_path: Path, emulators: list[Emulator]
 ) -> None:
     emulator = start(tmp_path, "--cold-start", "0", "--wake", "1", "--speedup", "2")
     emulators.append(emulator)
     assert emulator.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert emulator.value("vllm:engine_sleep_state", sleep_state="awake") == 1
 
     request = {"prompt": "hi", "max_tokens": 20000, "prompt_tokens": 10, "stream": True}
     with httpx.stream("POST", emulator.url + "/v1/completions", json=request, timeout=30) as response:
         events = sse_events(response)
         assert isinstance(next(events), dict)
-        assert emulator.post("/sleep", params={"level": 1}).status_code == 200
+        slept = emulator.post("/sleep", params={"level": 1})
+        assert slept.status_code == 200 and slept.json() == {"status": "sleeping", "level": 1}
         rest = list(events)
     assert rest[-1] == "[DONE]"
     last = rest[-2]
     assert isinstance(last, dict) and last["choices"][0]["finish_reason"] == "abort"
 
     assert emulator.get("/is_sleeping").json() == {"is_sleeping": True}
-    assert emulator.get("/health").status_code == 200
-    assert_error(emulator.post("/v1/completions", json={"prompt": "a"}), 503, match="sleeping")
+    assert emulator.get("/health").status_code == 200  # vLLM's /health is 200 while asleep
+    assert emulator.value("vllm:engine_sleep_state", sleep_state="awake") == 0
+    assert emulator.value("vllm:engine_sleep_state", sleep_state="weights_offloaded") == 1
     assert emulator.value("vllm:kv_cache_usage_perc") == 0
     assert emulator.value("vllm:num_requests_running") == 0
     assert emulator.value("vllm:request_success", finished_reason="abort") == 1
     assert_error(emulator.post("/sleep", params={"level": "deep"}), 400, "level")
+    assert_error(emulator.post("/sleep", params={"level": 3}), 400, "level")
     assert_error(emulator.post("/sleep", params={"mode": "later"}), 400, "mode")
 
-    assert emulator.post("/wake_up").status_code == 200  # answers once awake
+    async def queued_then_woken() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(base_url=emulator.url, timeout=60) as client:
+            # Asleep, a request is held (vLLM queues it while paused), not refused.
+            held = asyncio.create_task(client.post("/v1/completions", json={"prompt": "a", "max_tokens": 3}))
+            await asyncio.to_thread(
+                wait_until,
+                lambda: emulator.value("vllm:num_requests_waiting") == 1,
+                what="the request to wait while the engine sleeps",
+            )
+            assert not held.done()
+            assert emulator.value("vllm:num_requests_waiting_by_reason", reason="capacity") == 1
+            woke = await client.post("/wake_up", json={})  # a JSON body is accepted
+            return await held, woke
+
+    served, woke = asyncio.run(queued_then_woken())
+    assert woke.status_code == 200 and woke.json() == {"status": "awake", "tags_woken": None}
     assert emulator.get("/is_sleeping").json() == {"is_sleeping": False}
-    after = emulator.post("/v1/completions", json={"prompt": "a", "max_tokens": 3})
-    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 3
+    assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 3
+
+
+def test_wake_up_by_tags_stays_asleep_until_every_tag_is_awake(
+    tmp_path: Path, emulators: list[Emulator]
+) -> None:
+    emulator = start(tmp_path, "--cold-start", "0", "--wake", "0.5")
+    emulators.append(emulator)
+    slept = emulator.post("/sleep", params={"level": 2, "mode": "keep"}, json={"level": 1})  # body ignored
+    assert slept.status_code == 200 and slept.json()["level"] == 2
+    assert emulator.value("vllm:engine_sleep_state", sleep_state="discard_all") == 1
+
+    weights = emulator.post("/wake_up", params={"tags": "weights"})
+    assert weights.status_code == 200 and weights.json() == {"status": "sleeping", "tags_woken": ["weights"]}
+    assert emulator.get("/is_sleeping").json() == {"is_sleeping": True}
+    assert_error(emulator.post("/wake_up", params={"tags": "gpu"}), 400, "tags")
+
+    kv = emulator.post("/wake_up", params={"tags": "kv_cache"})
+    assert kv.status_code == 200 and kv.json() == {"status": "awake", "tags_woken": ["kv_cache"]}
+    assert emulator.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert emulator.value("vllm:engine_sleep_state", sleep_state="awake") == 1
+
+    # Level 0 is accepted too, and a sleep in keep mode keeps the requests for after the wake.
+    assert emulator.post("/sleep", params={"level": 0, "mode": "keep"}).status_code == 200
+    assert emulator.post("/wake_up").json()["status"] == "awake"
+
+
+def test_dev_endpoints_exist_only_in_dev_mode(tmp_path: Path, emulators: list[Emulator]) -> None:
+    plain = start(tmp_path, "--cold-start", "0", dev_mode=False)
+    emulators.append(plain)
+    for method, path in [
+        ("POST", "/sleep"),
+        ("POST", "/wake_up"),
+        ("GET", "/is_sleeping"),
+        ("POST", "/collective_rpc"),
+        ("POST", "/reset_prefix_cache"),
+        ("GET", "/server_info"),
+    ]:
+        assert httpx.request(method, plain.url + path, timeout=10).status_code == 404, path
+    assert plain.get("/health").status_code == 200
+
+    dev = start(tmp_path, "--cold-start", "0", dev_mode=True)
+    emulators.append(dev)
+    assert dev.post("/collective_rpc", json={"method": "noop"}).status_code == 200
+    assert dev.post("/reset_prefix_cache").status_code == 200
+    assert dev.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert "SECURITY WARNING" in dev.log.read_text()
+
+
+def test_a_stopped_process_answers_nothing_and_health_is_200_again_once_continued(
+    tmp_path: Path, emulators: list[Emulator]
+) -> None:
+    emulator = start(tmp_path, "--cold-start", "0")
+    emulators.append(emulator)
+    emulator.proc.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.get(emulator.url + "/health", timeout=1)
+    finally:
+        emulator.proc.send_signal(signal.SIGCONT)
+    assert emulator.get("/health").status_code == 200
 
 
 def test_sleep_in_wait_mode_answers_after_in_flight_requests_finish(

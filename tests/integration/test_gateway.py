@@ -61,7 +61,8 @@ def sse(payload: object) -> bytes:
 class Backend:
     """An OpenAI-style replica: `POST /v1/chat/completions` with a JSON body whose fields steer it:
     `id` (recorded), `stream`, `gate` (wait for `open(gate)`: before answering, or after the first
-    chunk of a stream), `status` (answer this error status), `die` (fail after the first chunk)."""
+    chunk of a stream), `status` (answer this error status; `status_by`: per backend name), `die`
+    (fail after the first chunk)."""
 
     def __init__(self, name: str, keep_alive_s: int = 5) -> None:
         self.name = name
@@ -148,7 +149,7 @@ class Backend:
             try:
                 if gate:
                     await self._gate(gate).wait()
-                status = int(body.get("status", 200))
+                status = int(body.get("status_by", {}).get(self.name, body.get("status", 200)))
                 if status != 200:
                     error = {"message": f"{rid} refused", "type": "BadRequestError", "code": status}
                     return JSONResponse({"error": error}, status_code=status, headers={"x-note": "kept"})
@@ -645,6 +646,55 @@ def test_read_timeout_answers_504(make_backend: Callable[..., Backend]) -> None:
         assert r.json()["error"]["type"] == "gateway_timeout"
         a.open("t1")
         wait_until(lambda: gw.router.in_flight(SERVICE, "a") == 0, what="in_flight back to 0")
+
+
+def test_a_service_read_timeout_overrides_the_servers_and_failures_in_a_row_are_counted(
+    make_backend: Callable[..., Backend],
+) -> None:
+    a = make_backend("a")
+    router = GatewayRouter()
+    server = GatewayServer(router, timeouts=GatewayTimeouts(read_s=600, shutdown_grace_s=1))
+    try:
+        port = server.start(SERVICE, read_timeout_s=0.2)  # services[].gateway_read_timeout
+        router.set_backends(SERVICE, {"a": a.url})
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            for n in range(2):
+                r = client.post(CHAT, json={"id": f"t{n}", "gate": f"t{n}"})
+                assert r.status_code == 504
+                a.open(f"t{n}")
+            # The control loop reads these as a sign that the replica is hung.
+            assert router.upstream_failures(SERVICE, "a") == 2
+            assert client.post(CHAT, json={"id": "ok"}).status_code == 200
+            assert router.upstream_failures(SERVICE, "a") == 0  # an answer ends the run
+            assert client.post(CHAT, json={"id": "t9", "gate": "t9"}).status_code == 504
+            a.open("t9")
+            assert router.upstream_failures(SERVICE, "a") == 1
+            router.set_backends(SERVICE, {})  # out of the live set: forgotten
+            assert router.upstream_failures(SERVICE, "a") == 0
+    finally:
+        server.stop()
+
+
+def test_a_503_is_retried_on_another_backend_and_the_last_one_passes_through(
+    gw: Gw, make_backend: Callable[..., Backend]
+) -> None:
+    a, b = make_backend("a"), make_backend("b")
+    gw.router.set_backends(SERVICE, {"a": a.url, "b": b.url})
+    client = gw.client()
+    # vLLM answers 503 when its queue is full: nothing was done, another replica may serve it.
+    r = client.post(CHAT, json={"id": "q1", "status_by": {"a": 503}})
+    assert r.status_code == 200 and r.headers["x-lowtide-replica"] == "b"
+    assert (a.count(), b.count()) == (1, 1)  # a was tried first (never picked, lowest id)
+    samples = metric_samples(client.get("/metrics").text)
+    key = (
+        "lowtide_gateway_upstream_errors_total",
+        (("kind", "unavailable"), ("replica", "a"), ("service", SERVICE)),
+    )
+    assert samples[key] == 1
+    # Every replica full: the last 503 is passed through as it came.
+    r = client.post(CHAT, json={"id": "q2", "status": 503})
+    assert r.status_code == 503 and r.headers["x-note"] == "kept"
+    assert r.json()["error"]["message"].endswith("refused")
 
 
 def test_oversized_body_is_refused_with_413(make_backend: Callable[..., Backend]) -> None:

@@ -411,8 +411,10 @@ def test_sleep_falls_back_to_stop_when_the_server_refuses_it(world: World) -> No
     manager.park("chat/0", "sleep", time.time())
     event = drive.next("chat/0")
     assert event.kind == "stopped"
-    assert event.detail.startswith("POST /sleep answered HTTP 404")
-    assert event.detail.endswith("stopped instead; exited with code 0")
+    assert event.detail.startswith(
+        "POST /sleep answered HTTP 404: vLLM serves it only with VLLM_SERVER_DEV_MODE=1"
+    )
+    assert event.detail.endswith("stopped instead of put to sleep; exited with code 0")
     assert not alive(pid)
     manager.unpark("chat/0", time.time())  # parked as stopped: starts again
     assert drive.next("chat/0").kind == "healthy"

@@ -19,6 +19,7 @@ import pytest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from lowtide.adapters.vllm_metrics import parse_vllm_metrics
 from lowtide.emulator.engine import (
     ITL_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
@@ -26,6 +27,7 @@ from lowtide.emulator.engine import (
     BucketHistogram,
     Engine,
     EngineConfig,
+    EngineGroup,
     EngineRequest,
     EngineState,
     EngineUnavailable,
@@ -296,21 +298,24 @@ def test_sleep_aborts_in_flight_requests_frees_the_cache_and_wake_takes_wake_s()
     assert [r.finish_reason for r in requests] == ["abort"] * 3
     assert finished.count("abort") == 3 and engine.stats.finished["abort"] == 3
     assert engine.next_event_at() is None
-    with pytest.raises(EngineUnavailable, match="sleeping"):
-        engine.submit(prompt_tokens=10, max_tokens=5)
+    # Asleep, a request is held (vLLM queues it while paused) and counts as waiting.
+    held = engine.submit(prompt_tokens=10, max_tokens=5)
+    assert (engine.num_running, engine.num_waiting, engine.next_event_at()) == (0, 1, None)
 
     clock.t = 100.0
     assert engine.wake_up() == 103.0
-    assert engine.state is EngineState.WAKING
-    with pytest.raises(EngineUnavailable, match="waking"):
-        engine.submit(prompt_tokens=10, max_tokens=5)
+    assert engine.state is EngineState.WAKING and engine.is_sleeping
+    assert engine.next_event_at() == 103.0  # the driver wakes up for the end of the wake
+    also_held = engine.submit(prompt_tokens=10, max_tokens=5)
     clock.t = 102.999
     assert engine.state is EngineState.WAKING
     clock.t = 103.0
-    assert engine.state is EngineState.READY
+    assert engine.state is EngineState.READY and not engine.is_sleeping
     again = engine.submit(prompt_tokens=10, max_tokens=5)
     run_until_idle(engine, clock)
-    assert again.finish_reason == "length"
+    assert [r.finish_reason for r in (held, also_held, again)] == ["length"] * 3
+    # Queued from its arrival, served after the wake.
+    assert held.arrival < 100.0 and held.first_token_at is not None and held.first_token_at >= 103.0
 
 
 def test_sleep_in_wait_mode_lets_in_flight_requests_finish_first() -> None:
@@ -318,12 +323,47 @@ def test_sleep_in_wait_mode_lets_in_flight_requests_finish_first() -> None:
     engine = engine_for(clock)
     requests = [engine.submit(prompt_tokens=50, max_tokens=20) for _ in range(3)]
     assert engine.sleep(level=1, mode="wait") is EngineState.DRAINING
-    with pytest.raises(EngineUnavailable, match="draining"):
-        engine.submit(prompt_tokens=10, max_tokens=5)
+    late = engine.submit(prompt_tokens=10, max_tokens=5)  # held: it does not delay the sleep
     run_until_idle(engine, clock)
     assert engine.state is EngineState.SLEEPING
     assert [r.finish_reason for r in requests] == ["length"] * 3
     assert engine.stats.finished["abort"] == 0
+    assert not late.finished and engine.num_waiting == 1
+    clock.t = engine.wake_up()
+    run_until_idle(engine, clock)
+    assert late.finish_reason == "length"
+
+
+def test_sleep_in_keep_mode_keeps_requests_for_after_the_wake() -> None:
+    clock = Clock()
+    engine = engine_for(clock, wake_s=1.0)
+    request = engine.submit(prompt_tokens=50, max_tokens=20)
+    for _ in range(3):
+        clock.t = engine.next_event_at() or clock.t
+        engine.advance()
+    assert request.generated > 0
+    assert engine.sleep(level=1, mode="keep") is EngineState.SLEEPING
+    assert (engine.num_running, engine.num_waiting, engine.kv_usage) == (0, 1, 0.0)
+    assert not request.finished and engine.stats.preemptions == 0
+    clock.t = engine.wake_up()
+    run_until_idle(engine, clock)
+    assert request.finish_reason == "length" and request.generated == 20
+
+
+def test_wake_up_by_tags_keeps_the_engine_asleep_until_every_tag_is_awake() -> None:
+    clock = Clock()
+    engine = engine_for(clock, wake_s=2.0)
+    engine.sleep(level=2)
+    assert engine.sleep_level == 2 and engine.sleeping_tags == {"weights", "kv_cache"}
+    assert engine.wake_up(["weights"]) == clock.t + 2.0  # the weights take wake_s
+    assert engine.state is EngineState.SLEEPING and engine.is_sleeping
+    with pytest.raises(ValueError, match="unknown tags"):
+        engine.wake_up(["gpu"])
+    assert engine.wake_up(["kv_cache"]) == clock.t + 2.0  # awake once the weights are back
+    assert engine.state is EngineState.WAKING
+    clock.t += 2.0
+    assert engine.state is EngineState.READY and engine.sleep_level is None
+    assert engine.sleep(level=0) is EngineState.SLEEPING  # level 0 is accepted (vLLM: 0..2)
 
 
 def test_wake_up_calls_off_a_pending_sleep_and_sleep_levels_are_checked() -> None:
@@ -336,6 +376,8 @@ def test_wake_up_calls_off_a_pending_sleep_and_sleep_levels_are_checked() -> Non
     assert request.finish_reason == "length" and engine.state is EngineState.READY
     with pytest.raises(ValueError, match="level"):
         engine.sleep(level=3)
+    with pytest.raises(ValueError, match="mode"):
+        engine.sleep(mode="later")  # type: ignore[arg-type]
     starting = Engine(EngineConfig(cold_start_s=5), clock)
     with pytest.raises(EngineUnavailable):
         starting.sleep()
@@ -416,7 +458,19 @@ V1_FAMILIES = {
     "vllm:request_prefill_time_seconds": "histogram",
     "vllm:request_decode_time_seconds": "histogram",
     "vllm:cache_config_info": "gauge",
+    "vllm:num_requests_waiting_by_reason": "gauge",
+    "vllm:engine_sleep_state": "gauge",
+    "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter",
 }
+V1_ONLY = (
+    "vllm:kv_cache_usage_perc",
+    "vllm:inter_token_latency_seconds",
+    "vllm:num_requests_waiting_by_reason",
+    "vllm:engine_sleep_state",
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+)
 V0_ONLY = {
     "vllm:num_requests_swapped": "gauge",
     "vllm:gpu_cache_usage_perc": "gauge",
@@ -424,11 +478,7 @@ V0_ONLY = {
     "vllm:time_per_output_token_seconds": "histogram",
 }
 V0_FAMILIES = {
-    **{
-        k: v
-        for k, v in V1_FAMILIES.items()
-        if k not in ("vllm:kv_cache_usage_perc", "vllm:inter_token_latency_seconds")
-    },
+    **{k: v for k, v in V1_FAMILIES.items() if k not in V1_ONLY},
     **V0_ONLY,
 }
 
@@ -572,3 +622,42 @@ def test_lowtides_metrics_adapter_reads_the_emulator(version: str) -> None:
     assert scrape.generation_tokens_total == engine.stats.generation_tokens
     assert scrape.ttft is not None and scrape.ttft.count == engine.stats.ttft.count
     assert scrape.itl is not None and scrape.itl.count == engine.stats.itl.count
+
+
+# -- data parallelism ----------------------------------------------------------------------------
+
+
+def test_data_parallel_engines_share_the_load_and_export_one_series_each() -> None:
+    clock = Clock()
+    group = EngineGroup(EngineConfig(cold_start_s=0.0, max_num_seqs=2), clock, 2)
+    requests = [group.submit(prompt_tokens=100, max_tokens=5) for _ in range(3)]
+    # The least loaded engine takes each request: 2 on engine 0, 1 on engine 1.
+    assert [e.num_running + e.num_waiting for e in group.engines] == [2, 1]
+    parsed = families(VllmMetricsExporter(group, "m").render().decode())
+    in_flight = {
+        (f, s.labels["engine"]): s.value
+        for f in ("vllm:num_requests_running", "vllm:num_requests_waiting")
+        for s in parsed[f].samples
+    }
+    assert in_flight == {
+        ("vllm:num_requests_running", "0"): 1.0,  # one step in progress, the other request queued
+        ("vllm:num_requests_waiting", "0"): 1.0,
+        ("vllm:num_requests_running", "1"): 1.0,
+        ("vllm:num_requests_waiting", "1"): 0.0,
+    }
+    info = [s.labels for s in parsed["vllm:cache_config_info"].samples]
+    assert [i["engine"] for i in info] == ["0", "1"]
+    # lowtide reads the server as one replica: engines summed (KV capacity too), usage averaged.
+    scrape = parse_vllm_metrics(VllmMetricsExporter(group, "m").render().decode(), at=0.0)
+    assert (scrape.running, scrape.waiting) == (2, 1)
+    assert scrape.kv_capacity_tokens == 2 * group.config.kv_cache_tokens
+    # Sleep and wake apply to every engine; the work resumes where each engine holds it.
+    group.sleep(level=1, mode="keep")
+    assert all(e.is_sleeping for e in group.engines) and group.is_sleeping
+    clock.t = group.wake_up()
+    while (t := group.next_event_at()) is not None:
+        clock.t = t
+        group.advance()
+    assert [r.finish_reason for r in requests] == ["length"] * 3
+    with pytest.raises(ValueError, match="engine label"):
+        VllmMetricsExporter(group, "m", "v0")

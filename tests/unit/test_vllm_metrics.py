@@ -114,6 +114,34 @@ def test_real_v0_capture_holds_no_family_lowtide_reads() -> None:
 # -- V1 with data parallelism, V0 ----------------------------------------------------------------
 
 
+def test_kv_capacity_comes_from_kv_cache_size_tokens_where_vllm_labels_it() -> None:
+    """Current vLLM labels `cache_config_info` with its profiled `kv_cache_size_tokens` (for hybrid
+    models blocks × block size is wrong); older servers only give blocks and block size."""
+    head = (
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+        "# TYPE vllm:cache_config_info gauge\n"
+    )
+    line = (
+        'vllm:cache_config_info{block_size="16",engine="%s",kv_cache_size_tokens="%s",'
+        'num_gpu_blocks="1000"} 1.0\n'
+    )
+    running = '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0"} 1.0\n'
+    labelled = parse(head + line % ("0", "463459") + line % ("1", "463459") + running)
+    assert labelled.kv_capacity_tokens == 2 * 463459
+    unlabelled = parse(head + line.replace(',kv_cache_size_tokens="%s"', "") % "0" + running)
+    assert unlabelled.kv_capacity_tokens == 1000 * 16
+    not_a_number = parse(head + line % ("0", "None") + running)
+    assert not_a_number.kv_capacity_tokens == 1000 * 16
+
+
+def test_aborted_and_errored_requests_are_not_counted_as_served() -> None:
+    text = "# TYPE vllm:request_success_total counter\n" + "".join(
+        f'vllm:request_success_total{{engine="0",finished_reason="{r}"}} {n}.0\n'
+        for r, n in (("stop", 7), ("length", 2), ("abort", 5), ("error", 1))
+    )
+    assert parse(text).requests_total == 7 + 2
+
+
 def test_v1_two_engines_are_summed_and_created_series_ignored() -> None:
     text = fixture("v1_dp2.txt")
     assert 'engine="1"' in text and "vllm:prompt_tokens_created{" in text  # what the fixture holds
@@ -127,7 +155,8 @@ def test_v1_two_engines_are_summed_and_created_series_ignored() -> None:
     assert scrape.kv_capacity_tokens == 2 * 2048 * 16
     assert scrape.prompt_tokens_total == (100 + 200 + 300 + 400) + (500 + 600)
     assert scrape.generation_tokens_total == (10 + 20 + 30 + 40) + (50 + 60)
-    assert scrape.requests_total == 4 + 2  # stop, length and abort, both engines
+    # stop and length of both engines; the aborted request (engine 1) was not served
+    assert scrape.requests_total == (3 + 1) + (1 + 0)
     assert scrape.problems == ()
 
 

@@ -121,8 +121,11 @@ class GatewayServer:
 
     # -- public ------------------------------------------------------------------------------------
 
-    def start(self, service: str, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Serve `service` on host:port (0: any free port); returns the port once it accepts."""
+    def start(
+        self, service: str, host: str = "127.0.0.1", port: int = 0, *, read_timeout_s: float | None = None
+    ) -> int:
+        """Serve `service` on host:port (0: any free port); returns the port once it accepts.
+        `read_timeout_s`: this service's upstream read timeout (None: `timeouts.read_s`)."""
         with self._lock:
             if service in self._servers:
                 running = self._servers[service]
@@ -131,7 +134,13 @@ class GatewayServer:
             bound = int(sock.getsockname()[1])
             try:
                 loop, client = self._ensure_loop()
-                app = GatewayApp(service, self.router, client, max_body_bytes=self.max_body_bytes)
+                app = GatewayApp(
+                    service,
+                    self.router,
+                    client,
+                    max_body_bytes=self.max_body_bytes,
+                    read_timeout_s=read_timeout_s,
+                )
                 server = uvicorn.Server(self._config(app))
                 future = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), loop)
                 _wait_started(service, server, future)

@@ -18,11 +18,18 @@ Failures:
 - connection refused or connect timeout: nothing reached the backend (no TCP connection was
   established, so not one byte of the request was delivered), hence retrying on another replica is
   safe even for a non-idempotent POST: each live replica is tried at most once per request.
+- the backend answers 503 before sending a body (vLLM's answer when its queue is full or it is
+  shutting down; it has not acted on the request): retried on another live replica not tried yet;
+  the last replica's 503 is passed through as it came.
 - no replica left (none live, or all refused): 503
   `{"error": {"message": ..., "type": "service_unavailable", "code": 503}}` with `retry-after`.
 - the backend fails after the request was sent but before answering: 502 (`bad_gateway`); no
   answer within the read timeout: 504 (`gateway_timeout`). Neither is retried: the backend may
-  have acted on the request.
+  have acted on the request. The read timeout is the server's (`GatewayTimeouts.read_s`) unless
+  the app has its own (`read_timeout_s`, from `services[].gateway_read_timeout`).
+- every failure on a replica (refused, timeout, broken answer, cut stream) is counted on the router
+  (`upstream_failed`), and any answer ends the count (`upstream_answered`): the control loop reads
+  failures in a row as a sign the replica is hung.
 - the backend fails mid-response (dies, or stalls past the read timeout): an SSE stream gets one
   last event `data: {"error": {..., "type": "upstream_error", "code": 502}}`, then the connection
   is closed without the terminating chunk (the app returns with the response incomplete, and
@@ -120,11 +127,17 @@ class GatewayApp:
         client: httpx.AsyncClient,
         *,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        read_timeout_s: float | None = None,
     ) -> None:
         self.service = service
         self.router = router
         self.client = client
         self.max_body_bytes = max_body_bytes
+        # Per request, the client's timeouts with this read timeout (None: the client's own).
+        self._timeout: httpx.Timeout | None = None
+        if read_timeout_s is not None:
+            t = client.timeout
+            self._timeout = httpx.Timeout(connect=t.connect, read=read_timeout_s, write=t.write, pool=t.pool)
         self._metrics = router.metrics
         self._metrics.no_backend.labels(service)  # exported at 0 from the start, so rate() has a series
         self._exchanges: set[_Exchange] = set()
@@ -244,16 +257,22 @@ class GatewayApp:
                 return
             exchange.replica = pick.replica_id
             try:
-                if await self._attempt(pick, forward, send):
+                if await self._attempt(pick, forward, send, refused):
                     return
             finally:
                 self.router.release(self.service, pick.replica_id)
             refused.append(pick.replica_id)
 
-    async def _attempt(self, pick: Pick, forward: _Forward, send: Send) -> bool:
-        """Serve the request from `pick`; False when it could not even connect (try another)."""
+    async def _attempt(self, pick: Pick, forward: _Forward, send: Send, tried: list[str]) -> bool:
+        """Serve the request from `pick`; False when it could not even connect, or answered 503
+        while another replica may take it (try another)."""
+        extra: dict[str, Any] = {} if self._timeout is None else {"timeout": self._timeout}
         request = self.client.build_request(
-            forward.method, pick.url + forward.target, headers=forward.headers, content=forward.body or None
+            forward.method,
+            pick.url + forward.target,
+            headers=forward.headers,
+            content=forward.body or None,
+            **extra,
         )
         try:
             upstream = await self.client.send(request, stream=True)
@@ -272,6 +291,12 @@ class GatewayApp:
             await _send_error(send, 502, "bad_gateway", f"replica {pick.replica_id} failed: {exc!r}")
             return True
 
+        self.router.upstream_answered(self.service, pick.replica_id)
+        if upstream.status_code == 503 and self.router.others(self.service, [*tried, pick.replica_id]):
+            # vLLM's queue is full (or it is going away): nothing was done; another replica may.
+            self._metrics.upstream_errors.labels(self.service, pick.replica_id, "unavailable").inc()
+            await upstream.aclose()
+            return False
         try:
             headers = _response_headers(upstream.headers.raw)
             headers.append((b"x-lowtide-replica", pick.replica_id.encode()))
@@ -297,6 +322,7 @@ class GatewayApp:
 
     def _upstream_error(self, pick: Pick, kind: str, exc: BaseException) -> None:
         self._metrics.upstream_errors.labels(self.service, pick.replica_id, kind).inc()
+        self.router.upstream_failed(self.service, pick.replica_id)
         log.warning("gateway %s: replica %s (%s): %s: %r", self.service, pick.replica_id, pick.url, kind, exc)
 
 

@@ -14,6 +14,9 @@ load therefore rotates round robin, and the choice is a deterministic function o
 passed over for `connect_cooldown_s` while another one can take the request, so a replica that died
 costs one refused connection, not one per request, until the control loop takes it out; if only
 such backends are left they are tried anyway (better a retry than a 503).
+Upstream failures in a row are counted per live replica (`upstream_failed`, reset by
+`upstream_answered`); the control loop reads them through the `Gateway` port as one of the signals
+that a replica is hung (vLLM's `/health` stays 200 while its engine is stuck).
 Draining: once `set_backends` has returned without a replica, no `acquire` can return it; every
 request that got it earlier is already counted, so `in_flight(service, replica)` only counts down
 from then on and 0 means the replica may be parked.
@@ -54,6 +57,7 @@ class _Service:
     in_flight: dict[str, int] = field(default_factory=dict)  # live or draining; no zero entries
     last_pick: dict[str, int] = field(default_factory=dict)  # live replicas only
     cooling: dict[str, float] = field(default_factory=dict)  # live replica -> passed over until then
+    failing: dict[str, int] = field(default_factory=dict)  # live replica -> upstream failures in a row
 
 
 class GatewayRouter:
@@ -82,6 +86,7 @@ class GatewayRouter:
             state = self._services.setdefault(service, _Service())
             # A replica back at another address is a new process: its old refusals do not count.
             state.cooling = {r: t for r, t in state.cooling.items() if state.live.get(r) == live.get(r)}
+            state.failing = {r: n for r, n in state.failing.items() if state.live.get(r) == live.get(r)}
             state.live = live
             state.last_pick = {r: n for r, n in state.last_pick.items() if r in live}
 
@@ -90,6 +95,13 @@ class GatewayRouter:
         with self._lock:
             state = self._services.get(service)
             return state.in_flight.get(replica_id, 0) if state else 0
+
+    def upstream_failures(self, service: str, replica_id: str) -> int:
+        """Requests in a row that failed on that live replica (timeouts, refused connections,
+        broken answers); reset by an answer and when it leaves the live set or changes address."""
+        with self._lock:
+            state = self._services.get(service)
+            return state.failing.get(replica_id, 0) if state else 0
 
     # -- introspection --------------------------------------------------------------------------
 
@@ -149,6 +161,28 @@ class GatewayRouter:
             state.in_flight[replica] = state.in_flight.get(replica, 0) + 1
             return Pick(replica, state.live[replica])
 
+    def others(self, service: str, exclude: Iterable[str]) -> int:
+        """How many live backends are not in `exclude` (could take a retried request)."""
+        excluded = set(exclude)
+        with self._lock:
+            state = self._services.get(service)
+            return sum(1 for r in state.live if r not in excluded) if state else 0
+
+    def upstream_failed(self, service: str, replica_id: str) -> None:
+        """A request failed on that replica (the control loop reads the count: a replica whose
+        requests keep failing is hung, `policy.inference.hung_replicas`)."""
+        with self._lock:
+            state = self._services.get(service)
+            if state is not None and replica_id in state.live:
+                state.failing[replica_id] = state.failing.get(replica_id, 0) + 1
+
+    def upstream_answered(self, service: str, replica_id: str) -> None:
+        """That replica answered (any status): its failures in a row end."""
+        with self._lock:
+            state = self._services.get(service)
+            if state is not None and state.failing:
+                state.failing.pop(replica_id, None)
+
     def connect_failed(self, service: str, replica_id: str) -> None:
         """That replica refused a connection (or did not accept in time): pass it over for a while."""
         with self._lock:
@@ -182,7 +216,8 @@ class GatewayMetrics:
     - `lowtide_gateway_upstream_errors_total{service,replica,kind}`: `connect` / `connect_timeout`
       (nothing was sent; retried on another replica), `timeout` (no answer within the read
       timeout: 504), `protocol` (the backend failed before answering: 502), `stream` (it failed
-      after the response began; the client's stream is cut).
+      after the response began; the client's stream is cut), `unavailable` (it answered 503, e.g.
+      vLLM's full queue, and the request was retried on another replica).
     - `lowtide_gateway_no_backend_total{service}`: requests answered 503 because no replica could
       take them.
     """

@@ -27,8 +27,11 @@ within milliseconds of its wake, not a tick or two later.
   within ``launch.health_timeout_s`` → KILLING.
 - HEALTHY (live): serving; only the process is watched (no HTTP).
 - SLEEPING (live): park "sleep": POST /sleep?level=1, then GET /is_sleeping until true → ASLEEP,
-  event ``asleep``; deadline ``launch.health_timeout_s`` → KILLING. A POST answered with an error
-  status (sleep mode not enabled) falls back to a graceful stop (event ``stopped``, saying so).
+  event ``asleep``; deadline ``launch.health_timeout_s`` → KILLING. vLLM serves ``/sleep``,
+  ``/wake_up`` and ``/is_sleeping`` only with ``VLLM_SERVER_DEV_MODE=1`` in its environment (and
+  frees memory only with ``--enable-sleep-mode``; see docs/vllm.md): a POST answered 404 (dev mode
+  off) or any other error status falls back to a graceful stop, event ``stopped`` whose detail
+  says why, logged as a warning naming ``VLLM_SERVER_DEV_MODE``.
 - ASLEEP (live): weights in host RAM, GPU memory freed; only the process is watched.
 - WAKING (live): unpark of an asleep replica: POST /wake_up, then /is_sleeping false and /health
   200 → HEALTHY, event ``healthy``; deadline ``launch.health_timeout_s`` → KILLING.
@@ -36,8 +39,10 @@ within milliseconds of its wake, not a tick or two later.
   else /health 200 → HEALTHY (``healthy``); deadline ``launch.health_timeout_s`` after adoption.
 - STOPPING (live): park "stop": SIGTERM to the group; SIGKILL once `stop_grace_s` has passed; when
   the shim has exited → STOPPED, event ``stopped``.
-- KILLING (live): a deadline passed or a wake was refused; the group got SIGKILL; when the shim has
-  exited → FAILED, event ``failed`` with the reason.
+- KILLING (live): a deadline passed, a wake was refused, or the loop found the replica hung
+  (`kill`); the group got SIGKILL; when the shim has exited → FAILED, event ``failed`` with the
+  reason. A `start` that arrives while a replica is STOPPING, KILLING or REAPING is kept and
+  carried out once the old process is gone (its end is then not reported: the loop moved on).
 - REAPING (the shim has exited): what it left behind (its group, processes with its tag, e.g. an
   engine core) was SIGKILLed and has not disappeared yet; the ``stopped`` / ``failed`` event waits
   for it (at most `REAP_LIMIT_S`), so that when the loop hears it the GPUs really are free and a
@@ -122,6 +127,8 @@ _GONE = frozenset({Phase.STOPPED, Phase.FAILED})
 _SERVING_PROCESS = frozenset(Phase) - _GONE - {Phase.REAPING}
 #: How long `stopped` / `failed` waits for SIGKILLed leftovers to disappear before it is reported.
 REAP_LIMIT_S = 30.0
+# Phases whose process is on its way out: a `start` waits for it to be gone.
+_ENDING = frozenset({Phase.STOPPING, Phase.KILLING, Phase.REAPING})
 # Phases waiting for an HTTP answer before a deadline.
 _PROBING = frozenset({Phase.STARTING, Phase.SLEEPING, Phase.WAKING, Phase.CHECKING})
 
@@ -146,6 +153,7 @@ class _Replica:
     detail: str = ""  # STOPPED / FAILED: detail of the event that said so
     lingering: list[psutil.Process] = field(default_factory=list)  # REAPING: SIGKILLed, not gone yet
     outcome: tuple[ReplicaEventKind, str, Phase] | None = None  # REAPING: what to report once gone
+    pending: ReplicaLaunch | None = None  # KILLING/STOPPING/REAPING: started again once gone
 
 
 # -- the manager ----------------------------------------------------------------------------------
@@ -192,6 +200,12 @@ class LocalServiceManager:
         if not launch.command:
             raise ValueError(f"replica {launch.replica_id}: empty command")
         current = self._replicas.get(launch.replica_id)
+        if current is not None and current.phase in _ENDING:
+            # Its old process is still being killed (a hung replica restarted at once): start the
+            # new one the moment the old one is gone, without reporting the old one's end.
+            current.pending = launch
+            log.info("replica %s: will start once its old process is gone", launch.replica_id)
+            return
         if current is not None and current.phase not in _GONE:
             raise ValueError(f"replica {launch.replica_id} is running ({current.phase})")
         self._spawn(launch, now)
@@ -236,6 +250,15 @@ class LocalServiceManager:
         elif phase in (Phase.SLEEPING, Phase.STOPPING, Phase.KILLING, Phase.REAPING):
             raise ValueError(f"replica {replica_id} is being parked or ending ({phase}); not now")
         # STARTING, WAKING: `healthy` comes when it serves.
+
+    def kill(self, replica_id: str, now: float, reason: str) -> None:
+        """End a hung replica now (`control.inference_ports.KillsReplicas`): SIGKILL to its group,
+        since a stopped (SIGSTOP) or stuck process does not act on SIGTERM; `poll` reports
+        `failed` with `reason` once its processes are gone. Raises ValueError if unknown."""
+        rep = self._get(replica_id)
+        if rep.phase in _GONE or rep.phase in (Phase.KILLING, Phase.REAPING):
+            return
+        self._kill(rep, now, reason)
 
     def poll(self, now: float) -> list[ReplicaEvent]:
         """Events since the last poll. Never raises; returns quickly (no HTTP on this thread)."""
@@ -431,9 +454,18 @@ class LocalServiceManager:
             rep.posted = True
             rep.next_check = now  # look at once: vLLM answers the POST when it is done
         elif kind == "sleep" and answer.status is not None:
-            self._begin_stop(
-                rep, now, note=f"POST /sleep answered HTTP {answer.status} (sleep mode off?): stopped instead"
-            )
+            if answer.status == 404:
+                why = (
+                    "POST /sleep answered HTTP 404: vLLM serves it only with VLLM_SERVER_DEV_MODE=1 "
+                    "in its environment; stopped instead of put to sleep"
+                )
+            else:
+                why = (
+                    f"POST /sleep answered HTTP {answer.status} (is --enable-sleep-mode set?); "
+                    "stopped instead of put to sleep"
+                )
+            log.warning("replica %s: %s", rep.launch.replica_id, why)
+            self._begin_stop(rep, now, note=why)
         elif kind == "wake" and answer.status is not None:
             self._kill(rep, now, f"POST /wake_up answered HTTP {answer.status}")
         # Anything else: not there yet; the next check is due after `health_interval_s`.
@@ -493,6 +525,13 @@ class LocalServiceManager:
         if rep.lingering:
             pids = ", ".join(str(p.pid) for p in rep.lingering)
             detail += f"; pids {pids} were SIGKILLed but had not exited after {REAP_LIMIT_S:g}s"
+        if rep.pending is not None:
+            # The loop already moved on (the replica is STARTING again): the old end is not news.
+            log.info(
+                "replica %s: old process %s (%s); starting the new one", rep.launch.replica_id, kind, detail
+            )
+            self._spawn(rep.pending, now)
+            return
         (log.info if kind == "stopped" else log.warning)(
             "replica %s: %s: %s", rep.launch.replica_id, kind, detail
         )

@@ -6,6 +6,10 @@ timeout per request). `submit` returns a `concurrent.futures.Future` at once, so
 never blocks on a replica; a hanging request holds no thread; `close` cancels what is in flight.
 A check (`ProbeKind`) is one or two requests to vLLM's endpoints (``/health``, ``POST /sleep``,
 ``POST /wake_up``, ``/is_sleeping``), and its `Answer` says what came back, or why nothing did.
+A sleep is confirmed twice: ``/is_sleeping`` true, and, where the server exports it (vLLM's V1
+``vllm:engine_sleep_state`` gauge, vllm/v1/metrics/loggers.py, 0.11+ and the 0.33 line checked in
+docs/vllm.md), no engine with ``sleep_state="awake"`` at 1; a server without the family is
+trusted on ``/is_sleeping`` alone.
 
 Neighbours: `adapters.local_services` (the only user) decides which check a phase needs and what an
 answer means; `tests/fixtures/fake_vllm.py` and `emulator` answer the same endpoints.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -43,6 +48,33 @@ class Answer:
     sent: bool = False  # no answer, but the request reached the server (a read timeout)
 
 
+# vllm:engine_sleep_state{engine="0",model_name="m",sleep_state="awake"} 1.0 (label order may vary)
+_AWAKE_SERIES = re.compile(r'^vllm:engine_sleep_state\{[^}]*sleep_state="awake"[^}]*\}\s+(\S+)', re.MULTILINE)
+
+
+def engine_awake(metrics_text: str) -> bool | None:
+    """From `/metrics`: True when an engine's ``vllm:engine_sleep_state{sleep_state="awake"}`` is 1,
+    False when every such series is 0, None when the server does not export it."""
+    values = []
+    for match in _AWAKE_SERIES.finditer(metrics_text):
+        try:
+            values.append(float(match.group(1)))
+        except ValueError:
+            continue
+    if not values:
+        return None
+    return any(v >= 1 for v in values)
+
+
+async def _sleep_confirmed(client: httpx.AsyncClient, base: str) -> bool:
+    """False only when `/metrics` says an engine is still awake."""
+    try:
+        response = await client.get(f"{base}/metrics")
+    except httpx.HTTPError:
+        return True  # /is_sleeping said so; the metrics are only a second opinion
+    return response.status_code != 200 or engine_awake(response.text) is not True
+
+
 def _sleeping_flag(response: httpx.Response) -> bool | None:
     if response.status_code != 200:
         return None
@@ -63,6 +95,8 @@ async def _probe(client: httpx.AsyncClient, base: str, kind: ProbeKind) -> Answe
             return Answer(status=(await client.post(f"{base}/wake_up")).status_code)
         response = await client.get(f"{base}/is_sleeping")
         sleeping = _sleeping_flag(response)
+        if kind == "is_sleeping" and sleeping and not await _sleep_confirmed(client, base):
+            sleeping = None  # not yet: an engine still reports itself awake
         if (
             kind == "is_sleeping"
             or (kind == "state" and sleeping)

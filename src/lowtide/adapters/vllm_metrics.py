@@ -8,9 +8,12 @@ field                       read from (V1 name | V0 name)
 ==========================  ===================================================================
 running / waiting           ``vllm:num_requests_running`` / ``vllm:num_requests_waiting``: sum
 kv_usage                    ``vllm:kv_cache_usage_perc`` | ``vllm:gpu_cache_usage_perc``: *mean*
-kv_capacity_tokens          ``vllm:cache_config_info`` labels: Σ num_gpu_blocks × block_size
+kv_capacity_tokens          ``vllm:cache_config_info`` labels: Σ ``kv_cache_size_tokens`` where
+                            present (current vLLM: right for hybrid models too), else
+                            Σ num_gpu_blocks × block_size
 prompt/generation tokens    ``vllm:prompt_tokens_total`` / ``vllm:generation_tokens_total``: sum
-requests_total              ``vllm:request_success_total``: sum over ``finished_reason``
+requests_total              ``vllm:request_success_total``: sum over ``finished_reason``, except
+                            ``abort`` and ``error`` (not served: docs/vllm.md)
 ttft / e2e / itl            ``vllm:time_to_first_token_seconds`` / ``vllm:e2e_request_latency_seconds``
                             / ``vllm:inter_token_latency_seconds`` | ``vllm:time_per_output_token_seconds``:
                             bucket counts summed per ``le``
@@ -80,6 +83,8 @@ CACHE_INFO = "vllm:cache_config_info"
 PROMPT = "vllm:prompt_tokens_total"
 GENERATION = "vllm:generation_tokens_total"
 SUCCESS = "vllm:request_success_total"
+#: Finish reasons of requests that were not served (aborted by the client or a sleep, or failed).
+NOT_SERVED = frozenset({"abort", "error"})
 TTFT = "vllm:time_to_first_token_seconds"
 E2E = "vllm:e2e_request_latency_seconds"
 ITL_V1 = "vllm:inter_token_latency_seconds"
@@ -205,6 +210,9 @@ def _build_plan(series: Sequence[tuple[str, dict[str, str]]]) -> _Plan:
             slots.append(-1)
             continue
         family, role = role_of
+        if family == SUCCESS and labels.get("finished_reason") in NOT_SERVED:
+            slots.append(-1)
+            continue
         model = labels.get("model_name")
         if model is not None:
             models.add(model)
@@ -274,6 +282,12 @@ def _build_plan(series: Sequence[tuple[str, dict[str, str]]]) -> _Plan:
 def _add_capacity(capacity: float | None, labels: dict[str, str], problems: list[str]) -> float | None:
     if capacity is None:
         return None
+    sized = labels.get("kv_cache_size_tokens")
+    if sized is not None:
+        try:
+            return capacity + int(sized)
+        except ValueError:
+            pass  # not a number (e.g. "None"): fall back to blocks × block size
     try:
         blocks = int(labels["num_gpu_blocks"])
         size = int(labels["block_size"])

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 import typer
 
+from lowtide.cli.output import HELP_MARKUP
 from lowtide.emulator.engine import EngineConfig
 
 emulate_app = typer.Typer(
@@ -23,6 +24,7 @@ emulate_app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=HELP_MARKUP,
 )
 
 
@@ -39,13 +41,21 @@ def _opt(help_text: str, flag: str) -> Any:
 def vllm(
     port: Annotated[int, typer.Option("--port", help="Port to listen on.", min=0, max=65535)],
     model: Annotated[str, typer.Option("--model", help="Served model name.")],
-    host: Annotated[str, typer.Option("--host", help="Address to bind.")] = "127.0.0.1",
+    host: Annotated[
+        str, typer.Option("--host", help="Address to bind (vLLM's default: every interface).")
+    ] = "0.0.0.0",  # noqa: S104 (vLLM binds every interface without --host; lowtide passes 127.0.0.1)
     gpus: Annotated[
         int, typer.Option("--gpus", help="GPUs of the replica (scales KV cache, prefill).", min=1)
     ] = 4,
     metrics_version: Annotated[
         Literal["v1", "v0"], typer.Option("--metrics-version", help="vLLM metric names: v1 or v0.")
     ] = "v1",
+    data_parallel_size: Annotated[
+        int,
+        typer.Option(
+            "--data-parallel-size", help="Engines behind the server, each a full copy (v1 metrics).", min=1
+        ),
+    ] = 1,
     max_num_seqs: Annotated[int | None, _opt("Most sequences in a batch [256].", "--max-num-seqs")] = None,
     max_num_batched_tokens: Annotated[
         int | None, _opt("Token budget of one engine step [8192].", "--max-num-batched-tokens")
@@ -101,6 +111,8 @@ def vllm(
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    if data_parallel_size > 1 and metrics_version == "v0":
+        raise typer.BadParameter("--data-parallel-size needs --metrics-version v1 (V0 has no engine label)")
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     serve(
         config,
@@ -111,6 +123,7 @@ def vllm(
         log_level=log_level,
         access_log=access_log,
         shutdown_grace_s=shutdown_grace,
+        data_parallel_size=data_parallel_size,
     )
 
 

@@ -10,11 +10,13 @@ decisions carry between ticks (`InferenceMemory`, kept here).
 decide: `policy.inference.decide_inference` (scale, alerts, envelope, replica plan, reclaims,
 the GPUs research may not take, when to decide again).
 act: alerts written; each replica action booked in the store first (GPUs in the ledger), then
-carried out through the service manager; the gateway told which replicas serve; the reclaim
-decision booked by `control.reclaimer`; the forecast profiles saved now and then. Every item is
-handled on its own: `StaleState` / `GpuBusy` skip it, any other error is logged, and either asks
-for a follow-up tick (`InferenceTick.changed`); when a replica action failed, the decision is
-completed again on the replicas as the store has them (`policy.inference.complete`).
+carried out through the service manager (a hung replica's `restart`: booked FAILED, then killed
+through `KillsReplicas.kill` where the manager has it, else stopped); the gateway told which
+replicas serve; the reclaim decision booked by `control.reclaimer`; the forecast profiles saved
+now and then. Every item is handled on its own: `StaleState` / `GpuBusy` skip it, any other
+error is logged, and either asks for a follow-up tick (`InferenceTick.changed`); when a replica
+action failed, the decision is completed again on the replicas as the store has them
+(`policy.inference.complete`).
 Must not: read the wall clock (`now` comes in), sleep, decide anything a policy decides, or do
 I/O except through its ports.
 """
@@ -30,6 +32,7 @@ from typing import Any, Protocol
 
 from lowtide.control.inference_ports import (
     Gateway,
+    KillsReplicas,
     MetricsSource,
     ReplicaEvent,
     ReplicaLaunch,
@@ -119,6 +122,8 @@ class ServiceSetup:
     drain_timeout_s: float = 30.0
     reclaim_grace_s: float = 60.0  # the longest notice a research step gets when this service reclaims
     work_root: str = ".lowtide/services"
+    hung_after_s: float | None = None  # see `ServiceRules.hung_after_s`
+    drain_from_metrics: bool = False  # see `ServiceRules.drain_from_metrics`
 
     def port(self, slot: int) -> int:
         return self.base_port + slot
@@ -126,7 +131,14 @@ class ServiceSetup:
     @property
     def rules(self) -> ServiceRules:
         """What the inference decisions need to know about this service."""
-        return ServiceRules(self.spec, self.drain_timeout_s, self.reclaim_grace_s, self.base_port)
+        return ServiceRules(
+            self.spec,
+            self.drain_timeout_s,
+            self.reclaim_grace_s,
+            self.base_port,
+            self.hung_after_s,
+            self.drain_from_metrics,
+        )
 
     def render(self, slot: int, gpus: tuple[int, ...]) -> tuple[str, ...]:
         values = {
@@ -309,6 +321,7 @@ class InferenceController:
                 mine[r.service].append(r)
         signals = {name: self._collect(name, mine[name], now) for name in self.services}
         in_flight: dict[str, int] = {}
+        upstream: dict[str, int] = {}
         if self.gateway is not None:
             by_id = {r.id: r for r in replicas}
             for name, setup in self.services.items():
@@ -316,6 +329,8 @@ class InferenceController:
                     rid = f"{name}/{slot}"
                     if rid in by_id:
                         in_flight[rid] = self.gateway.in_flight(name, rid)
+                        if by_id[rid].state in _SCRAPED and (n := self.gateway.upstream_failures(name, rid)):
+                            upstream[rid] = n
         return InferenceSnapshot(
             now=now,
             nodes=self.nodes,
@@ -327,6 +342,7 @@ class InferenceController:
             reclaims=self.reclaimer.observe(),
             memory=self.memory,
             in_flight=in_flight,
+            upstream_failures=upstream,
         )
 
     def _collect(self, name: str, mine: list[ReplicaView], now: float) -> ServiceSignals:
@@ -410,7 +426,15 @@ class InferenceController:
                 self.manager.start(self._launch(setup, slot, action.node, action.gpus), now)
             return
         assert rec is not None
-        if action.kind == "drain":
+        if action.kind == "restart":
+            # Hung (policy.inference.hung_replicas): out of routing first, then the process ends.
+            self._book(failure_move(rec, now, action.reason))
+            log.warning("replica %s: %s; killing and restarting it", rec.id, action.reason)
+            if isinstance(self.manager, KillsReplicas):
+                self.manager.kill(rec.id, now, action.reason)
+            else:
+                self.manager.park(rec.id, "stop", now)
+        elif action.kind == "drain":
             self.store.move_replica(rec.id, R.SERVING, R.DRAINING, now=now, message=action.reason)
         elif action.kind == "undrain":
             self.store.move_replica(rec.id, R.DRAINING, R.SERVING, now=now, message=action.reason)

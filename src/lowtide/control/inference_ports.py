@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from lowtide.domain.metrics import ServiceSignals
 from lowtide.domain.services import ParkMode
@@ -84,6 +84,17 @@ class ServiceManager(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class KillsReplicas(Protocol):
+    """A service manager that can end a hung replica at once (the local one can). Optional: with a
+    manager without it (the simulator's), a hung replica is stopped by `park(..., "stop", ...)`."""
+
+    def kill(self, replica_id: str, now: float, reason: str) -> None:
+        """SIGKILL the replica's processes now (a SIGSTOPped or stuck process ignores SIGTERM);
+        `poll` reports `failed` with `reason` once they are gone."""
+        ...
+
+
 class Gateway(Protocol):
     def set_backends(self, service: str, backends: Mapping[str, str]) -> None:
         """The replicas that take new requests now (`replica id -> base URL`)."""
@@ -91,4 +102,9 @@ class Gateway(Protocol):
 
     def in_flight(self, service: str, replica_id: str) -> int:
         """Requests still being served by that replica (for draining)."""
+        ...
+
+    def upstream_failures(self, service: str, replica_id: str) -> int:
+        """Requests in a row that failed on that replica at the gateway (timeouts, refused
+        connections, broken answers); any answer resets it, and so does leaving the live set."""
         ...

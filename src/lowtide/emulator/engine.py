@@ -58,11 +58,18 @@ communication). ``speedup`` K compresses time: every duration is divided by K (p
 multiplied), so the emulator behaves exactly like a K× faster machine; metrics and responses report
 the compressed times that clients observe.
 
-Lifecycle (`EngineState`): STARTING until ``cold_start_s`` has passed, then READY. ``sleep(mode=
-"abort")`` (vLLM's default mode since ``/sleep`` took a ``mode``) aborts every running and waiting
-request (finish reason ``abort``) and frees the KV cache; ``sleep(mode="wait")`` stops admitting new
-requests (DRAINING) and sleeps once the in-flight ones have finished. ``wake_up()`` takes ``wake_s``
-(WAKING), then READY. New requests are refused unless READY.
+Lifecycle (`EngineState`): STARTING until ``cold_start_s`` has passed, then READY. ``sleep(level,
+mode)`` takes vLLM's levels 0–2 and pause modes (vllm/entrypoints/serve/dev/sleep/api_router.py,
+``PauseMode``): ``abort`` (the default) aborts every running and waiting request (finish reason
+``abort``) and frees the KV cache; ``wait`` admits nothing new (DRAINING) and sleeps once the
+in-flight requests have finished; ``keep`` keeps them: the running ones give their KV back and wait,
+to be recomputed after the wake (not counted as preemptions). Asleep, the tags ``weights`` and
+``kv_cache`` sleep; ``wake_up(tags)`` wakes the given ones (all by default): waking ``weights``
+takes ``wake_s``, and the engine stays asleep (``is_sleeping``) until every tag is awake, then is
+WAKING until the weights are back, then READY. Requests that arrive while the engine is draining,
+asleep or waking are held, not refused (vLLM queues them while paused) and admitted once it is READY;
+they count as waiting. Only a STARTING engine refuses requests (the server does not even listen
+then).
 
 Neighbours: `emulator.vllm_metrics_export` renders `EngineStats` and the gauges in vLLM's exposition
 format; `emulator.server` drives the engine from an asyncio task and serves the OpenAI API.
@@ -82,7 +89,10 @@ from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort")
-SleepMode = Literal["abort", "wait"]
+SleepMode = Literal["abort", "wait", "keep"]
+SLEEP_MODES: tuple[SleepMode, ...] = ("abort", "wait", "keep")
+#: What sleeps (vLLM's CuMemAllocator tags): the weights and the KV cache.
+SLEEP_TAGS = ("weights", "kv_cache")
 
 # vLLM's bucket boundaries (vllm/v1/metrics/loggers.py; the last V0 engine, vllm/engine/metrics.py
 # of 0.8–0.10, used the same lists for these families).
@@ -330,6 +340,10 @@ class Engine:
         self.started_at = clock()
         self.ready_at = self.started_at + config.cold_start_s / k
         self.awake_at: float | None = None
+        self.sleep_level: int | None = None  # the level of the current sleep (None: awake)
+        self.sleeping_tags: set[str] = set()
+        self._weights_at = 0.0  # when the weights woken last are back
+        self._held: deque[EngineRequest] = deque()  # arrived while not READY
         self._state = EngineState.STARTING
         self._now = self.started_at
         self._waiting: deque[EngineRequest] = deque()
@@ -353,7 +367,7 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting) + len(self._held)
 
     @property
     def used_blocks(self) -> int:
@@ -365,8 +379,11 @@ class Engine:
         return self.used_blocks / self.config.num_gpu_blocks
 
     def next_event_at(self) -> float | None:
-        """When the step in progress ends (its tokens come out); None when the engine is idle."""
-        return self._step.end if self._step is not None else None
+        """When the step in progress ends (its tokens come out), or a wake completes; None when
+        the engine is idle."""
+        if self._step is not None:
+            return self._step.end
+        return self.awake_at if self._state is EngineState.WAKING else None
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -378,11 +395,12 @@ class Engine:
         output_tokens: int | None = None,
         listener: Listener | None = None,
     ) -> EngineRequest:
-        """Queue a request now. Raises `EngineUnavailable` unless READY, `RequestRejected` if it can
-        never be served (vLLM's 400: prompt + max_tokens above ``max_model_len``)."""
+        """Queue a request now (held while the engine drains, sleeps or wakes). Raises
+        `EngineUnavailable` while STARTING, `RequestRejected` if it can never be served (vLLM's 400:
+        prompt + max_tokens above ``max_model_len``)."""
         now = self._clock()
         self.advance(now)
-        if self._state is not EngineState.READY:
+        if self._state is EngineState.STARTING:
             raise EngineUnavailable(self._state, f"the engine is {self._state.value}")
         if prompt_tokens < 1:
             raise RequestRejected("the prompt must have at least one token")
@@ -410,6 +428,9 @@ class Engine:
             arrival=now,
             listener=listener,
         )
+        if self._state is not EngineState.READY:
+            self._held.append(request)
+            return request
         self._waiting.append(request)
         if self._step is None:
             self._start_step(now)
@@ -423,6 +444,8 @@ class Engine:
             return
         if request.running:
             self._running.remove(request)
+        elif request in self._held:
+            self._held.remove(request)
         else:
             self._waiting.remove(request)
         self._finish(request, "abort", now)
@@ -432,9 +455,10 @@ class Engine:
         """Abort every running and waiting request (sleep, shutdown); returns how many."""
         now = self._clock()
         self.advance(now)
-        requests = [*self._running, *self._waiting]
+        requests = [*self._running, *self._waiting, *self._held]
         self._running.clear()
         self._waiting.clear()
+        self._held.clear()
         self._step = None
         for request in requests:
             self._finish(request, "abort", now)
@@ -444,16 +468,19 @@ class Engine:
     # -- lifecycle -------------------------------------------------------------------------------
 
     def sleep(self, level: int = 1, mode: SleepMode = "abort") -> EngineState:
-        """vLLM's ``/sleep``: free the KV cache. ``abort`` ends every request now; ``wait`` lets the
-        in-flight ones finish first (DRAINING). Returns the state reached."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, not {level}")
-        if mode not in ("abort", "wait"):
-            raise ValueError(f"sleep mode must be 'abort' or 'wait', not {mode!r}")
+        """vLLM's ``/sleep``: free the KV cache (and the weights from the GPU). ``abort`` ends every
+        request now; ``wait`` lets the in-flight ones finish first (DRAINING); ``keep`` keeps them
+        for after the wake. Returns the state reached."""
+        if level not in (0, 1, 2):
+            raise ValueError(f"sleep level must be 0, 1 or 2, not {level}")
+        if mode not in SLEEP_MODES:
+            raise ValueError(f"sleep mode must be 'abort', 'wait' or 'keep', not {mode!r}")
         now = self._clock()
         self.advance(now)
         if self._state is EngineState.STARTING:
             raise EngineUnavailable(self._state, "the engine is still starting")
+        self.sleep_level = level
+        self.sleeping_tags = set(SLEEP_TAGS)
         if self._state in (EngineState.SLEEPING, EngineState.WAKING):
             self.awake_at = None
             self._set_state(EngineState.SLEEPING)
@@ -461,26 +488,55 @@ class Engine:
         if mode == "abort":
             self.abort_all()
             self._set_state(EngineState.SLEEPING)
+        elif mode == "keep":
+            self._step = None
+            for request in reversed(self._running):
+                request.running = False
+                self._release(request)
+                request.computed = 0  # its KV is gone: recomputed after the wake
+                self._waiting.appendleft(request)
+            self._running.clear()
+            self._set_state(EngineState.SLEEPING)
         else:
             self._set_state(EngineState.DRAINING)
             self._maybe_fall_asleep()
         return self._state
 
-    def wake_up(self) -> float:
-        """vLLM's ``/wake_up``: returns when the engine will be READY (now if it already is)."""
+    def wake_up(self, tags: Iterable[str] | None = None) -> float:
+        """vLLM's ``/wake_up`` (`tags`: which to wake; None: all): returns when what this call woke
+        is back (now if nothing was asleep). The engine stays asleep until every tag is awake."""
         now = self._clock()
         self.advance(now)
         if self._state is EngineState.STARTING:
             raise EngineUnavailable(self._state, "the engine is still starting")
+        woken = set(self.sleeping_tags if tags is None else tags)
+        unknown = woken - set(SLEEP_TAGS)
+        if unknown:
+            raise ValueError(f"unknown tags {sorted(unknown)}; known: {', '.join(SLEEP_TAGS)}")
         if self._state is EngineState.SLEEPING:
-            self.awake_at = now + self._wake_s
+            back = now
+            if "weights" in woken & self.sleeping_tags:
+                self._weights_at = now + self._wake_s
+                back = self._weights_at
+            self.sleeping_tags -= woken
+            if self.sleeping_tags:
+                return back  # still asleep: another tag must wake first
+            self.awake_at = max(now, self._weights_at)
             self._set_state(EngineState.WAKING)
             self._refresh(now)
         elif self._state is EngineState.DRAINING:
+            self.sleeping_tags = set()
+            self.sleep_level = None
             self._set_state(EngineState.READY)  # the sleep that was waiting is called off
+            self._resume(now)
         if self._state is EngineState.WAKING and self.awake_at is not None:
             return self.awake_at
         return now
+
+    @property
+    def is_sleeping(self) -> bool:
+        """vLLM's ``/is_sleeping``: true from the sleep until the wake-up completes."""
+        return self.state in (EngineState.SLEEPING, EngineState.WAKING)
 
     # -- time ------------------------------------------------------------------------------------
 
@@ -501,7 +557,17 @@ class Engine:
             self._set_state(EngineState.READY)
         if self._state is EngineState.WAKING and self.awake_at is not None and now >= self.awake_at:
             self.awake_at = None
+            self.sleep_level = None
             self._set_state(EngineState.READY)
+            self._resume(now)
+
+    def _resume(self, now: float) -> None:
+        """READY again: the requests held meanwhile join the queue and the engine runs."""
+        if self._held:
+            self._waiting.extend(self._held)
+            self._held.clear()
+        if self._step is None and self._waiting:
+            self._start_step(now)
 
     def _set_state(self, state: EngineState) -> None:
         if state is self._state:
@@ -637,3 +703,110 @@ class Engine:
         p = self.config.eos_probability
         u = 1.0 - self._rng.random()  # (0, 1]
         return max(1, math.ceil(math.log(u) / math.log(1.0 - p)))
+
+    def owns(self, request: EngineRequest) -> bool:
+        """Whether `request` is queued, held or running here (and not finished)."""
+        if request.finished:
+            return False
+        return request.running or request in self._waiting or request in self._held
+
+
+class EngineGroup:
+    """vLLM's data parallelism (``--data-parallel-size N``): N engines behind one API server, each
+    with its own batch and KV cache; a request goes to the least loaded one (running + waiting,
+    lowest index on ties), as vLLM's DP coordinator balances; sleep and wake apply to all; the
+    metrics show one series per engine (``engine="0".."N-1"``). Same interface as `Engine` for
+    the server; `engines` for the exporter."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        clock: Callable[[], float],
+        size: int = 1,
+        *,
+        on_state_change: Callable[[EngineState], None] | None = None,
+    ) -> None:
+        if size < 1:
+            raise ValueError(f"data parallel size must be at least 1, not {size}")
+        self.config = config
+        self.engines = tuple(
+            Engine(config, clock, rng=random.Random(i), on_state_change=on_state_change) for i in range(size)
+        )
+
+    @property
+    def state(self) -> EngineState:
+        states = [e.state for e in self.engines]
+        for busy in (EngineState.STARTING, EngineState.DRAINING, EngineState.WAKING):
+            if busy in states:
+                return busy
+        return states[0]
+
+    @property
+    def ready_at(self) -> float:
+        return max(e.ready_at for e in self.engines)
+
+    @property
+    def awake_at(self) -> float | None:
+        times = [e.awake_at for e in self.engines if e.awake_at is not None]
+        return max(times) if times else None
+
+    @property
+    def is_sleeping(self) -> bool:
+        return any(e.is_sleeping for e in self.engines)
+
+    @property
+    def sleep_level(self) -> int | None:
+        return self.engines[0].sleep_level
+
+    @property
+    def num_running(self) -> int:
+        return sum(e.num_running for e in self.engines)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(e.num_waiting for e in self.engines)
+
+    @property
+    def kv_usage(self) -> float:
+        return sum(e.kv_usage for e in self.engines) / len(self.engines)
+
+    def next_event_at(self) -> float | None:
+        times = [t for e in self.engines if (t := e.next_event_at()) is not None]
+        return min(times) if times else None
+
+    def submit(
+        self,
+        prompt_tokens: int,
+        max_tokens: int,
+        *,
+        output_tokens: int | None = None,
+        listener: Listener | None = None,
+    ) -> EngineRequest:
+        target = min(self.engines, key=lambda e: e.num_running + e.num_waiting)
+        return target.submit(prompt_tokens, max_tokens, output_tokens=output_tokens, listener=listener)
+
+    def abort(self, request: EngineRequest) -> None:
+        for e in self.engines:
+            if e.owns(request):
+                e.abort(request)
+                return
+
+    def abort_all(self) -> int:
+        return sum(e.abort_all() for e in self.engines)
+
+    def sleep(self, level: int = 1, mode: SleepMode = "abort") -> EngineState:
+        for e in self.engines:
+            e.sleep(level, mode)
+        return self.state
+
+    def wake_up(self, tags: Iterable[str] | None = None) -> float:
+        woken = None if tags is None else tuple(tags)
+        return max(e.wake_up(woken) for e in self.engines)
+
+    def advance(self, now: float | None = None) -> None:
+        for e in self.engines:
+            e.advance(now)
+
+
+#: What the server drives: one engine, or a data-parallel group of them.
+EngineLike = Engine | EngineGroup

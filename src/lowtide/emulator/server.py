@@ -1,33 +1,51 @@
 """The emulator's HTTP server: vLLM's OpenAI-compatible API in front of the capacity model.
 
-Role: serve, like ``vllm serve`` (with ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``):
+Role: serve, like ``vllm serve``, what lowtide depends on, as vLLM does it (each behaviour checked
+against vLLM's source; the table, with files and versions, is docs/vllm.md):
 
 ===========================  ==============================================================================
-``GET /health``              503 during the cold start, then 200 (also while sleeping, as vLLM); 500 if the
-                             engine loop died
+(cold start)                 the port is bound but not listening: connections are refused until the
+                             engine is ready (vLLM binds its socket before building the engine and
+                             listens only once the app runs: vllm/entrypoints/openai/api_server.py
+                             ``setup_server`` / ``create_server_socket``)
+``GET /health``              200 once listening, also while asleep (vLLM checks the engine process only);
+                             500 if the engine loop died. A SIGSTOPped process answers nothing at all
 ``GET /v1/models``           the served model
 ``POST /v1/completions``     OpenAI completions; ``stream: true`` → SSE ``data: {...}`` chunks, one per
-``POST /v1/chat/completions``  engine step that produced tokens for the request, then ``data: [DONE]``
+``POST /v1/chat/completions``  engine step that produced tokens for the request, then ``data: [DONE]``;
+                             while asleep or waking a request is held until the engine is awake
 ``GET /metrics``             vLLM's Prometheus exposition (`emulator.vllm_metrics_export`)
-``POST /sleep?level=1``      free the KV cache. ``mode=abort`` (vLLM's default) aborts in-flight requests;
-                             ``mode=wait`` refuses new ones and answers once in-flight ones finished
-``POST /wake_up``            answers once awake (``wake_s`` later)
-``GET /is_sleeping``         ``{"is_sleeping": bool}`` (true until wake-up completes)
+===========================  ==============================================================================
+
+Only with ``VLLM_SERVER_DEV_MODE=1`` in the environment (vllm/envs.py; the dev routers are
+registered under ``if envs.VLLM_SERVER_DEV_MODE``), else 404 like any unknown path:
+
+===========================  ==============================================================================
+``POST /sleep``              ``level`` 0–2 (default 1), ``mode`` abort (default) | wait | keep; answers
+                             ``{"status": "sleeping", "level": n}`` once asleep (``wait``: once the
+                             in-flight requests finished); a JSON body is accepted and ignored
+``POST /wake_up``            ``tags`` (repeatable: weights, kv_cache; default all); answers once what it
+                             woke is back: ``{"status": "awake"|"sleeping", "tags_woken": [...]|null}``
+``GET /is_sleeping``         ``{"is_sleeping": bool}``: true until every tag is awake and the wake is done
+``POST /collective_rpc``,    accepted (200) and ignored: the emulator has no workers and no caches
+``POST /reset_prefix_cache``, ``/reset_mm_cache``, ``/reset_encoder_cache``; ``GET /server_info``
 ===========================  ==============================================================================
 
 Errors are OpenAI error objects (``{"error": {"message", "type", "param", "code"}}``): 400 for a body
-that is not JSON or not a valid request (and prompts longer than ``max_model_len``), 404 for an
-unknown model, 503 (with ``Retry-After`` when known) while the engine is starting, draining for
-sleep, asleep or waking. A request aborted by ``/sleep`` gets 503 when it has sent nothing yet
-(non-streaming: a client or gateway may retry it elsewhere); a stream ends with a chunk whose
-``finish_reason`` is ``abort``, then ``[DONE]``. A client that disconnects (streaming or not) aborts
-its request, as in vLLM. Token counting and the extension fields are described in
-`emulator.openai_shapes`.
+that is not JSON or not a valid request (and prompts longer than ``max_model_len``), a bad sleep
+level, mode or wake tag; 404 for an unknown model. A request aborted by ``/sleep`` (mode abort)
+gets 503 when it has sent nothing yet (non-streaming: a client or gateway may retry it elsewhere);
+a stream ends with a chunk whose ``finish_reason`` is ``abort``, then ``[DONE]``. A client that
+disconnects (streaming or not) aborts its request, as in vLLM. Token counting and the extension
+fields are described in `emulator.openai_shapes`.
 
 The engine runs in model time on ``time.monotonic``: one asyncio task (`_Driver`) advances it to the
 end of each step and sleeps until the next; handlers wait on per-request events the engine sets.
-`serve` runs uvicorn and returns normally on SIGTERM or SIGINT after a graceful shutdown: requests in
-flight get ``shutdown_grace_s`` (5 s) to finish, then whatever is left is aborted as by ``/sleep``.
+`serve` binds the port, waits out the cold start (SIGTERM or SIGINT then ends it with exit 0), runs
+uvicorn on the bound socket and returns normally on SIGTERM or SIGINT after a graceful shutdown:
+requests in flight get ``shutdown_grace_s`` (5 s) to finish, then whatever is left is aborted as by
+``/sleep``. ``host`` "" or "0.0.0.0" is every interface (vLLM's default without ``--host``).
+``data_parallel_size`` N runs N engines behind the one server (`engine.EngineGroup`).
 Neighbours: `emulator.engine`, `emulator.vllm_metrics_export`, `emulator.openai_shapes`;
 `cli.emulate_cmd` is the command line. Must not: import lowtide beyond `lowtide.domain` and
 `lowtide.emulator`.
@@ -40,6 +58,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import signal
 import socket
 import time
@@ -59,8 +78,10 @@ from starlette.routing import Route
 from lowtide.domain.metrics import MetricsVersion
 from lowtide.emulator import openai_shapes as oai
 from lowtide.emulator.engine import (
-    Engine,
+    SLEEP_MODES,
     EngineConfig,
+    EngineGroup,
+    EngineLike,
     EngineRequest,
     EngineState,
     EngineUnavailable,
@@ -75,7 +96,7 @@ _Req = TypeVar("_Req", bound=BaseModel)
 class _Driver:
     """Advances the engine to the end of each step, in real time, and wakes up early when kicked."""
 
-    def __init__(self, engine: Engine, clock: Callable[[], float]) -> None:
+    def __init__(self, engine: EngineLike, clock: Callable[[], float]) -> None:
         self.engine = engine
         self.clock = clock
         self._kick = asyncio.Event()
@@ -137,28 +158,40 @@ class Emulator:
         *,
         metrics_version: MetricsVersion = "v1",
         clock: Callable[[], float] = time.monotonic,
+        dev_mode: bool = False,
+        data_parallel_size: int = 1,
     ) -> None:
         self.config = config
         self.model = model
         self.clock = clock
+        self.dev_mode = dev_mode
         self.created = int(time.time())
         self._state_changed = asyncio.Event()
-        self.engine = Engine(config, clock, on_state_change=self._on_state_change)
+        self.engine: EngineLike = EngineGroup(
+            config, clock, data_parallel_size, on_state_change=self._on_state_change
+        )
         self.exporter = VllmMetricsExporter(self.engine, model, metrics_version)
         self.driver = _Driver(self.engine, clock)
-        self.app = Starlette(
-            routes=[
-                Route("/health", self.health, methods=["GET"]),
-                Route("/v1/models", self.models, methods=["GET"]),
-                Route("/v1/completions", self.completions, methods=["POST"]),
-                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-                Route("/metrics", self.metrics, methods=["GET"]),
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ]
+        if dev_mode:
+            routes += [
                 Route("/sleep", self.sleep, methods=["POST"]),
                 Route("/wake_up", self.wake_up, methods=["POST"]),
                 Route("/is_sleeping", self.is_sleeping, methods=["GET"]),
-            ],
-            lifespan=self._lifespan,
-        )
+                Route("/collective_rpc", self.collective_rpc, methods=["POST"]),
+                Route("/server_info", self.server_info, methods=["GET"]),
+                *(
+                    Route(path, self.reset_cache, methods=["POST"])
+                    for path in ("/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache")
+                ),
+            ]
+        self.app = Starlette(routes=routes, lifespan=self._lifespan)
 
     def end_in_flight(self) -> None:
         """Abort every running and waiting request (shutdown)."""
@@ -249,19 +282,21 @@ class Emulator:
         return Response(self.exporter.render(), media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
     async def is_sleeping(self, _request: Request) -> Response:
-        state = self.engine.state
-        return JSONResponse({"is_sleeping": state in (EngineState.SLEEPING, EngineState.WAKING)})
+        return JSONResponse({"is_sleeping": self.engine.is_sleeping})
 
     async def sleep(self, request: Request) -> Response:
+        # vLLM reads only the query (``level``: int 0..2, ``mode``: PauseMode); a body is ignored.
         try:
             level = int(request.query_params.get("level", "1"))
         except ValueError:
             return self._error(400, "level must be an integer", "level")
+        if level not in (0, 1, 2):
+            return self._error(400, "level must be 0, 1 or 2", "level")
         mode = request.query_params.get("mode", "abort")
-        if mode not in ("abort", "wait"):
-            return self._error(400, "mode must be 'abort' or 'wait'", "mode")
+        if mode not in SLEEP_MODES:
+            return self._error(400, f"mode must be one of {', '.join(SLEEP_MODES)}", "mode")
         try:
-            state = self.engine.sleep(level, "wait" if mode == "wait" else "abort")
+            state = self.engine.sleep(level, mode)
         except EngineUnavailable as exc:
             return self._unavailable(exc)
         except ValueError as exc:
@@ -270,19 +305,34 @@ class Emulator:
         while state is EngineState.DRAINING:
             await self._state_changed.wait()
             state = self.engine.state
-        return Response(status_code=200)
+        return JSONResponse({"status": "sleeping", "level": level})
 
-    async def wake_up(self, _request: Request) -> Response:
+    async def wake_up(self, request: Request) -> Response:
+        tags = request.query_params.getlist("tags") or None
         try:
-            awake_at = self.engine.wake_up()
+            back_at = self.engine.wake_up(tags)
         except EngineUnavailable as exc:
             return self._unavailable(exc)
+        except ValueError as exc:
+            return self._error(400, str(exc), "tags")
         self.driver.kick()
-        delay = awake_at - self.clock()
+        delay = back_at - self.clock()
         if delay > 0:
             await asyncio.sleep(delay)
         self.engine.advance()
+        self.driver.kick()
+        status = "sleeping" if self.engine.is_sleeping else "awake"
+        return JSONResponse({"status": status, "tags_woken": tags})
+
+    async def collective_rpc(self, request: Request) -> Response:
+        await request.body()
+        return JSONResponse({"results": []})
+
+    async def reset_cache(self, _request: Request) -> Response:
         return Response(status_code=200)
+
+    async def server_info(self, _request: Request) -> Response:
+        return JSONResponse({"vllm_config": f"emulated: {self.config}"})
 
     async def completions(self, request: Request) -> Response:
         body = await self._parse(request, oai.CompletionRequest)
@@ -437,6 +487,24 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets=sockets)
 
 
+def dev_mode_from_env() -> bool:
+    """vLLM's ``VLLM_SERVER_DEV_MODE`` (vllm/envs.py: ``bool(int(os.getenv(..., "0")))``)."""
+    try:
+        return bool(int(os.environ.get("VLLM_SERVER_DEV_MODE", "0")))
+    except ValueError:
+        return False
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind without listening, as vLLM's ``create_server_socket`` does (connections are refused
+    until uvicorn listens on it): "" and "0.0.0.0" are every IPv4 interface."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family=family, type=socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
 def serve(
     config: EngineConfig,
     model: str,
@@ -447,9 +515,43 @@ def serve(
     log_level: str = "info",
     access_log: bool = True,
     shutdown_grace_s: float = 5.0,
+    dev_mode: bool | None = None,
+    data_parallel_size: int = 1,
 ) -> None:
-    """Serve until SIGTERM or SIGINT, then shut down gracefully and return."""
-    emulator = Emulator(config, model, metrics_version=metrics_version)
+    """Serve until SIGTERM or SIGINT, then shut down gracefully and return. `dev_mode` None: from
+    ``VLLM_SERVER_DEV_MODE``."""
+    dev = dev_mode_from_env() if dev_mode is None else dev_mode
+    if dev:
+        log.warning("SECURITY WARNING: Development endpoints are enabled (VLLM_SERVER_DEV_MODE=1)")
+    try:
+        sock = bind_socket(host, port)
+    except OSError as exc:
+        log.error("cannot bind %s:%d: %s", host, port, exc.strerror or exc)
+        raise SystemExit(1) from exc
+    emulator = Emulator(
+        config, model, metrics_version=metrics_version, dev_mode=dev, data_parallel_size=data_parallel_size
+    )
+    received: list[int] = []
+
+    def _note(signum: int, _frame: FrameType | None) -> None:
+        received.append(signum)
+
+    previous = {sig: signal.signal(sig, _note) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # The cold start: bound, not listening (connection refused), as vLLM while it loads.
+    log.info(
+        "loading (emulated): %s:%d bound, connections refused for %.1f s",
+        host or "0.0.0.0",  # noqa: S104 (a log line)
+        port,
+        max(0.0, emulator.engine.ready_at - emulator.clock()),
+    )
+    while not received and emulator.clock() < emulator.engine.ready_at:
+        time.sleep(min(0.05, max(0.0, emulator.engine.ready_at - emulator.clock())))
+    if received:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        sock.close()
+        log.info("stopped by %s during the cold start", signal.Signals(received[0]).name)
+        return
     uvicorn_config = uvicorn.Config(
         emulator.app,
         host=host,
@@ -460,16 +562,10 @@ def serve(
         lifespan="on",
     )
     server = _Server(uvicorn_config, emulator, shutdown_grace_s)
-    received: list[int] = []
-
-    def _note(signum: int, _frame: FrameType | None) -> None:
-        received.append(signum)
-
     # uvicorn handles SIGINT/SIGTERM, shuts down, restores the previous handlers and raises the
-    # signal again: with these as the previous handlers, the process then exits normally (0).
-    previous = {sig: signal.signal(sig, _note) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # signal again: with `_note` as the previous handlers, the process then exits normally (0).
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

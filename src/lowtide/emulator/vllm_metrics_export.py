@@ -15,7 +15,18 @@ start. ``v0`` (vLLM's V0 engine, vllm/engine/metrics.py of 0.8–0.10): ``model_
 ``vllm:cpu_cache_usage_perc``, ``vllm:num_requests_swapped`` and
 ``vllm:time_per_output_token_seconds``; a finish reason appears once a request finished with it.
 Both expose ``vllm:cache_config_info`` (a gauge at 1 whose labels carry ``num_gpu_blocks`` and
-``block_size``: the KV capacity in tokens is their product).
+``block_size``: the KV capacity in tokens is their product). V1 also exports, as current vLLM
+does (vllm/v1/metrics/loggers.py, checked on the 0.33 line; docs/vllm.md):
+``vllm:engine_sleep_state{sleep_state="awake"|"weights_offloaded"|"discard_all"}`` (one-hot: awake 1,
+or level 1 → weights_offloaded 1, level 2 → discard_all 1, level 0 → all 0),
+``vllm:num_requests_waiting_by_reason{reason="capacity"|"deferred"}`` (summing to
+``num_requests_waiting``; every waiting request of the emulator waits for capacity) and the
+prefix-cache counters ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` (in
+tokens; the emulator caches no prefixes, so hits stay 0).
+
+Data parallelism (`engine.EngineGroup`, ``--data-parallel-size N``, V1 only): every family has one
+series per engine, ``engine="0"`` .. ``engine="N-1"`` (vLLM's ``PrometheusStatLogger`` keeps one
+labelled child per engine index), each with that engine's own numbers.
 
 Neighbours: `emulator.engine` (the numbers), `emulator.server` (serves `render()` at `/metrics`).
 Must not: change the engine (a scrape only reads it; the server advances the engine's clock first).
@@ -33,7 +44,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from lowtide.domain.metrics import MetricsVersion
-from lowtide.emulator.engine import FINISH_REASONS, BucketHistogram, Engine
+from lowtide.emulator.engine import FINISH_REASONS, BucketHistogram, Engine, EngineGroup, EngineLike
 
 Labels = dict[str, str]
 # How prometheus_client writes a bucket bound ("0.001", "1.0", "+Inf"); the library leaves it untyped.
@@ -45,7 +56,7 @@ class VllmMetricsExporter:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineLike,
         model_name: str,
         version: MetricsVersion = "v1",
         *,
@@ -54,6 +65,9 @@ class VllmMetricsExporter:
         if version not in ("v0", "v1"):
             raise ValueError(f"metrics version must be 'v0' or 'v1', not {version!r}")
         self.engine = engine
+        self.engines: tuple[Engine, ...] = engine.engines if isinstance(engine, EngineGroup) else (engine,)
+        if version == "v0" and len(self.engines) > 1:
+            raise ValueError("vLLM's V0 metrics have no engine label: data parallelism needs v1")
         self.model_name = model_name
         self.version: MetricsVersion = version
         self.created = time.time() if created is None else created
@@ -69,13 +83,24 @@ class _VllmCollector(Collector):
         self._x = exporter
 
     def collect(self) -> Iterator[Metric]:
+        """Every family once, with one series per engine (data parallelism) in engine order."""
+        merged: dict[str, Metric] = {}
+        for index, engine in enumerate(self._x.engines):
+            for metric in self._one(engine, index):
+                into = merged.get(metric.name)
+                if into is None:
+                    merged[metric.name] = metric
+                else:
+                    into.samples.extend(metric.samples)
+        yield from merged.values()
+
+    def _one(self, engine: Engine, index: int) -> Iterator[Metric]:
         x = self._x
         v1 = x.version == "v1"
-        engine = x.engine
         stats = engine.stats
         labels: Labels = {"model_name": x.model_name}
         if v1:
-            labels["engine"] = "0"
+            labels["engine"] = str(index)
         created = x.created if v1 else None
 
         running_doc = (
@@ -109,6 +134,42 @@ class _VllmCollector(Collector):
                 "vllm:cpu_cache_usage_perc", "CPU KV-cache usage. 1 means 100 percent usage.", labels, 0
             )
 
+        if v1:
+            yield _by_label(
+                "vllm:num_requests_waiting_by_reason",
+                "Number of requests waiting to be processed, by reason. 'capacity' = waiting for "
+                "resources (KV cache, max_num_seqs); 'deferred' = deferred by transient constraints "
+                "(LoRA budget, KV transfer, blocked status). Sum of all reasons equals "
+                "vllm:num_requests_waiting.",
+                labels,
+                "reason",
+                {"capacity": engine.num_waiting, "deferred": 0},
+            )
+            level = engine.sleep_level if engine.is_sleeping else None
+            yield _by_label(
+                "vllm:engine_sleep_state",
+                "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is "
+                "awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+                labels,
+                "sleep_state",
+                {
+                    "awake": 1 if level is None else 0,
+                    "weights_offloaded": 1 if level == 1 else 0,
+                    "discard_all": 1 if level == 2 else 0,
+                },
+            )
+            yield _counter(
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                [(labels, stats.prompt_tokens)],
+                created,
+            )
+            yield _counter(
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                [(labels, 0)],
+                created,
+            )
         yield _counter(
             "vllm:num_preemptions",
             "Cumulative number of preemption from the engine.",
@@ -204,13 +265,16 @@ class _VllmCollector(Collector):
             yield _histogram(name, doc, labels, histogram, created)
 
         yield _gauge(
-            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", _cache_config(x, v1), 1.0
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            _cache_config(x, v1, index),
+            1.0,
         )
 
 
-def _cache_config(x: VllmMetricsExporter, v1: bool) -> Labels:
+def _cache_config(x: VllmMetricsExporter, v1: bool, index: int = 0) -> Labels:
     """vLLM's ``CacheConfig.metrics_info()``: every value a string, as vLLM writes them."""
-    config = x.engine.config
+    config = x.engines[0].config
     info: Labels = {
         "block_size": str(config.block_size),
         "cache_dtype": "auto",
@@ -227,13 +291,25 @@ def _cache_config(x: VllmMetricsExporter, v1: bool) -> Labels:
         "swap_space_bytes": str(4 << 30),
     }
     if v1:
-        info["engine"] = "0"
+        info["engine"] = str(index)
+        # Current vLLM also labels the profiled KV capacity in tokens (and the concurrency it allows).
+        info["kv_cache_size_tokens"] = str(config.num_gpu_blocks * config.block_size)
+        info["kv_cache_max_concurrency"] = repr(
+            config.num_gpu_blocks * config.block_size / config.max_model_len
+        )
     return info
 
 
 def _gauge(name: str, doc: str, labels: Labels, value: float) -> Metric:
     metric = Metric(name, doc, "gauge")
     metric.add_sample(name, dict(labels), float(value))
+    return metric
+
+
+def _by_label(name: str, doc: str, labels: Labels, key: str, values: dict[str, float]) -> Metric:
+    metric = Metric(name, doc, "gauge")
+    for value_label, value in values.items():
+        metric.add_sample(name, {**labels, key: value_label}, float(value))
     return metric
 
 

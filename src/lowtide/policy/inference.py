@@ -27,6 +27,26 @@ Replica events (anything else, e.g. `healthy` for a SERVING replica, changes not
                         and parked_as cleared; from PARKED (a sleeping replica whose process is
                         gone) the restart may happen at once (retry_at = at)
 
+Hung replicas (`hung_replicas`): vLLM's `/health` stays 200 while its engine is stuck (and a
+SIGSTOPped process answers nothing at all), so lowtide trusts its own signals instead. A SERVING or
+DRAINING replica of a service with `hung_after_s` set is hung when
+  - its own metrics have been stale for at least `hung_after_s`: scrapes failing or timing out, no
+    successful scrape, or gauges frozen with requests in flight (`policy.signals`, rules 2–4;
+    `stale_since` says since when; not when the whole metrics source failed, `source_error`:
+    that is the source's problem, not the replica's; and not frozen gauges while the gateway has
+    nothing in flight on the replica: that is vLLM's stuck-gauge bug on an idle replica), or
+  - the gateway saw `UPSTREAM_FAILURES_BEFORE_HUNG` upstream failures in a row on it (timeouts,
+    refused connections, broken answers; any answer resets the count).
+A hung replica gets a `restart` action: it is moved to FAILED at once (out of the gateway, its
+failures + 1, restart after the backoff; the same move as a failure event, `failure_move`) and its
+process killed; this tick's plan already counts it as lost capacity, so a replacement starts on a
+free slot. Its GPUs stay busy for the rest of this tick (the kill is still under way).
+
+Draining without a gateway (`ServiceRules.drain_from_metrics`): the requests still on a DRAINING
+replica are its own metrics' running + waiting (rounded up) instead of the gateway's count; with
+those unknown or stale it has not drained (1), so only the drain timeout parks it (vLLM aborts
+what is left on SIGTERM, so a drain must not be cut short on a guess).
+
 Alert: a service whose FAILED replicas, since one of its replicas last became healthy, have failed
 `FAILURES_BEFORE_ALERT` times in a row raises an alert (written once per new text) and counts as
 stale beyond `stale_after_s` for lending: no new lending from it until a replica serves again.
@@ -46,7 +66,7 @@ from functools import lru_cache
 from typing import Protocol
 
 from lowtide.domain.gpus import GpuRef, Node
-from lowtide.domain.metrics import ServiceSignals
+from lowtide.domain.metrics import ReplicaSignals, ServiceSignals
 from lowtide.domain.services import LendingPolicy, ParkMode
 from lowtide.domain.states import GPU_HOLDING_REPLICA_STATES, SUPPLY_REPLICA_STATES, ReplicaState
 from lowtide.policy.autoscale import (
@@ -68,6 +88,7 @@ from lowtide.policy.replicas import (
     plan_replicas_on,
     research_offer,
 )
+from lowtide.policy.signals import FROZEN_REASON
 from lowtide.policy.snapshot import RunningStep
 
 R = ReplicaState
@@ -81,6 +102,8 @@ FAILURES_BEFORE_ALERT = 3
 FORECAST_STEP_S = 900.0
 #: The needed-replicas slope looks back max(this, the lending lead time) seconds.
 GROWTH_WINDOW_MIN_S = 60.0
+#: Upstream failures in a row at the gateway after which a replica counts as hung.
+UPSTREAM_FAILURES_BEFORE_HUNG = 3
 
 _UP = (R.SERVING, R.STARTING, R.WAKING)  # the supply a service's deficit is counted against
 _SCRAPED = (R.SERVING, R.DRAINING)  # replicas whose metrics are read
@@ -205,6 +228,67 @@ def settle_events(replicas: Sequence[ReplicaView], events: Sequence[ReplicaEvent
     return EventOutcome(tuple(moves), tuple(by_id.values()), tuple(sources))
 
 
+# -- hung replicas --------------------------------------------------------------------------------
+
+
+def hung_reason(
+    rules: ServiceRules,
+    replica: ReplicaView,
+    signals: ReplicaSignals | None,
+    *,
+    source_error: bool,
+    upstream_failures: int,
+    now: float,
+    gateway_in_flight: int | None = None,
+) -> str | None:
+    """Why `replica` is hung (None: it is not); see the module docstring. `gateway_in_flight`:
+    what the gateway has on the replica (None: no gateway)."""
+    bound = rules.hung_after_s
+    if bound is None or replica.state not in _SCRAPED:
+        return None
+    if upstream_failures >= UPSTREAM_FAILURES_BEFORE_HUNG:
+        return f"{upstream_failures} requests in a row failed or timed out at the gateway"
+    if signals is None or source_error or not signals.stale or signals.stale_since is None:
+        return None
+    if gateway_in_flight == 0 and signals.stale_reason.startswith(FROZEN_REASON):
+        return None  # stuck gauges on an idle replica, not a stuck engine
+    age = now - signals.stale_since
+    if age < bound:
+        return None
+    return f"{signals.stale_reason} (stale for {age:.0f}s, hung_after {bound:g}s)"
+
+
+def hung_replicas(snapshot: InferenceSnapshot) -> dict[str, str]:
+    """The hung replicas of every service: replica id → why."""
+    out: dict[str, str] = {}
+    rules_of = {s.name: s for s in snapshot.services if s.hung_after_s is not None}
+    if not rules_of:
+        return out
+    per_replica: dict[str, tuple[ReplicaSignals, bool]] = {}
+    for name in rules_of:
+        service_signals = snapshot.signals.get(name)
+        if service_signals is not None:
+            for rs in service_signals.replicas:
+                per_replica[rs.replica] = (rs, bool(service_signals.source_error))
+    for r in snapshot.replicas:
+        rules = rules_of.get(r.service)
+        if rules is None:
+            continue
+        signals, source_error = per_replica.get(r.id, (None, False))
+        why = hung_reason(
+            rules,
+            r,
+            signals,
+            source_error=source_error,
+            upstream_failures=snapshot.upstream_failures.get(r.id, 0),
+            now=snapshot.now,
+            gateway_in_flight=snapshot.in_flight.get(r.id),
+        )
+        if why is not None:
+            out[r.id] = why
+    return out
+
+
 # -- the decision -------------------------------------------------------------------------------
 
 
@@ -278,8 +362,23 @@ def decide_inference(snapshot: InferenceSnapshot) -> InferencePlan:
 def decide_services(snapshot: InferenceSnapshot) -> ScalePlan:
     """Scale decisions, alerts, the envelope and the replica plan."""
     now, memory, lending = snapshot.now, snapshot.memory, snapshot.lending
+    hung = hung_replicas(snapshot)
+    restarts: list[ReplicaAction] = []
+    current = snapshot.replicas
+    if hung:
+        # Out of routing and no longer supply from this tick on (make before break: the plan
+        # below already looks for a replacement).
+        current = tuple(
+            moved(r, failure_move(r, now, f"hung: {hung[r.id]}")) if r.id in hung else r
+            for r in snapshot.replicas
+        )
+        restarts = [
+            ReplicaAction("restart", r.id, r.service, r.node, r.gpus, f"hung: {hung[r.id]}")
+            for r in snapshot.replicas
+            if r.id in hung
+        ]
     mine: dict[str, list[ReplicaView]] = {s.name: [] for s in snapshot.services}
-    for r in snapshot.replicas:
+    for r in current:
         if r.service in mine:
             mine[r.service].append(r)
     step_gpus, lent, active_lent = _step_gpus(snapshot.running)
@@ -348,7 +447,7 @@ def decide_services(snapshot: InferenceSnapshot) -> ScalePlan:
         )
     pool = sum(n.gpu_count for n in snapshot.nodes)
     env = envelope(now=now, pool_gpus=pool, services=inputs, policy=lending, currently_lent_gpus=lent)
-    by_id = {r.id: r for r in snapshot.replicas}
+    by_id = {r.id: r for r in current}
     views = [
         _service_view(
             rules, max(decisions[rules.name].desired, env.claims.get(rules.name, 0)), by_id, snapshot
@@ -358,8 +457,11 @@ def decide_services(snapshot: InferenceSnapshot) -> ScalePlan:
     targets = {v.spec.name: v.desired for v in views}
     # Services furthest below their target go first when GPUs are short.
     views.sort(key=lambda v: -(v.desired - sum(r.state in _UP for r in v.replicas)))
+    # A hung replica's GPUs stay busy this tick: its process is still being killed.
     busy = _union(step_gpus, _replica_gpus(snapshot.replicas))
     plan = plan_replicas_on(views, snapshot.nodes, busy, now)
+    if restarts:
+        plan = ReplicaPlan((*restarts, *plan.actions), plan.blocked)
     outcomes = tuple(
         ServiceOutcome(
             name=rules.name,
@@ -391,7 +493,7 @@ def decide_services(snapshot: InferenceSnapshot) -> ScalePlan:
             fresh_at=fresh,
         ),
         # A drain ends at a later tick; everything else this tick starts reports back through
-        # the service manager's events.
+        # the service manager's events (a restart's retry time is in `next_due`).
         follow_up=any(a.kind in ("drain", "undrain") for a in plan.actions),
     )
 
@@ -403,7 +505,8 @@ def apply_actions(
     now: float,
 ) -> tuple[ReplicaView, ...]:
     """The replicas once every action is booked: start/wake → STARTING/WAKING on the action's
-    GPUs, drain → DRAINING, undrain → SERVING, park → PARKING (each since `now`)."""
+    GPUs, drain → DRAINING, undrain → SERVING, park → PARKING, restart → FAILED as by
+    `failure_move` (each since `now`)."""
     if not actions:
         return tuple(replicas)
     base_port = {s.name: s.base_port for s in services}
@@ -424,6 +527,8 @@ def apply_actions(
                 by_id[a.replica_id] = replace(
                     current, state=state, node=a.node, gpus=a.gpus, port=port, parked_as=None, since=now
                 )
+        elif current is not None and a.kind == "restart":
+            by_id[a.replica_id] = moved(current, failure_move(current, now, a.reason))
         elif current is not None:
             target = {"drain": R.DRAINING, "undrain": R.SERVING, "park": R.PARKING}[a.kind]
             by_id[a.replica_id] = replace(current, state=target, since=now)
@@ -460,6 +565,9 @@ def complete(snapshot: InferenceSnapshot, scale: ScalePlan, replicas: Sequence[R
     )
     # Without an action the replicas are those the plan saw, and so are the busy GPUs.
     busy = scale.busy if replicas is snapshot.replicas else _union(scale.step_gpus, _replica_gpus(replicas))
+    restarting = {a.replica_id for a in scale.replica_plan.actions if a.kind == "restart"}
+    if restarting:  # a hung replica's GPUs are not offered while its process is being killed
+        busy = _union(busy, _replica_gpus(r for r in snapshot.replicas if r.id in restarting))
     affinity: dict[str, set[int]] = {}
     for r in replicas:
         if r.state == R.PARKED and r.parked_as == "sleep" and r.node:
@@ -587,9 +695,20 @@ def _service_view(
         if r is None:
             slots.append(_empty_slot(rid, spec.name, slot))
             continue
-        in_flight = snapshot.in_flight.get(rid, 0)
+        if rules.drain_from_metrics and r.state == R.DRAINING:
+            in_flight = _metrics_in_flight(snapshot.signals.get(spec.name), rid)
+        else:
+            in_flight = snapshot.in_flight.get(rid, 0)
         slots.append(r if r.in_flight == in_flight else replace(r, in_flight=in_flight))
     return ServiceView(spec, target, tuple(slots), rules.drain_timeout_s)
+
+
+def _metrics_in_flight(signals: ServiceSignals | None, replica_id: str) -> int:
+    """Requests on a replica by its own metrics (running + waiting, rounded up); 1 when unknown."""
+    mine = next((s for s in signals.replicas if s.replica == replica_id), None) if signals else None
+    if mine is None or mine.stale or mine.running is None:
+        return 1
+    return math.ceil(mine.running + (mine.waiting or 0.0))
 
 
 @lru_cache(maxsize=1024)

@@ -2,7 +2,8 @@
 
 Role: what `policy.inference.decide_inference` (and `policy.reclaim_phases` inside it) needs to
 know, as values: `now`, the nodes, each service's spec and its timeouts, the replicas (after this
-tick's service-manager events), each service's signals and what the gateway still has in flight,
+tick's service-manager events), each service's signals and what the gateway still has in flight
+(and the upstream failures in a row it saw per replica),
 the step side's running steps, the open reclaims with their victims' notice and end times, and
 `InferenceMemory`: what the decisions remember from one tick to the next (scale states, needed
 history, forecast profiles, surge times, alert texts, when each service's data was last fresh).
@@ -34,6 +35,12 @@ class ServiceRules:
     drain_timeout_s: float = 30.0
     reclaim_grace_s: float = 60.0  # the longest notice a research step gets when it reclaims
     base_port: int = 0  # slot s serves on base_port + s
+    #: A SERVING or DRAINING replica whose own metrics have failed (or stood frozen with requests
+    #: in flight) for this long is hung: out of routing and restarted (None: never).
+    hung_after_s: float | None = None
+    #: No gateway counts this service's requests: a draining replica has drained when its own
+    #: metrics say nothing runs or waits (unknown or stale: not yet; the drain timeout still parks).
+    drain_from_metrics: bool = False
 
     @property
     def name(self) -> str:
@@ -92,3 +99,6 @@ class InferenceSnapshot:
     memory: InferenceMemory = field(default_factory=InferenceMemory)
     #: Requests the gateway still has on a replica (by replica id; absent: 0).
     in_flight: Mapping[str, int] = field(default_factory=dict)
+    #: Upstream failures in a row the gateway saw on a replica (timeouts, refused connections,
+    #: broken answers; by replica id; absent: 0; reset by any answer).
+    upstream_failures: Mapping[str, int] = field(default_factory=dict)

@@ -8,7 +8,13 @@ Per service, given the desired replica count (from `policy.autoscale`):
   on one node. What cannot be placed is reported as blocked, with the reason.
 - too many: drain the serving replica with the fewest requests in flight (highest slot on ties):
   it leaves the gateway first; a draining replica is parked (`spec.park`: sleep or stop) once it
-  has nothing in flight or its drain timeout has passed.
+  has nothing in flight or its drain timeout has passed. **Make before break**: a replica leaves
+  routing only when the SERVING replicas that stay are at least the desired count, so replicas
+  still starting or waking never stand in for one that serves (scale-down waits for them to
+  serve; docs/architecture.md §4.2).
+- hung (`restart`, decided by `policy.inference.hung_replicas`, not here): the replica is taken
+  out of routing as FAILED and its process killed; it restarts after its backoff and, meanwhile,
+  no longer counts as supply, so a replacement starts on another slot if one is free.
 Research GPUs (`research_gpus`): the envelope says how many GPUs may be lent; lowtide offers that
 many free GPUs, preferring GPUs no sleeping replica will want back, then whole nodes.
 `plan_replicas_on` and `research_offer` are the same rules over GPU indices per node (what the
@@ -29,7 +35,7 @@ from lowtide.domain.services import ParkMode, ServiceSpec
 from lowtide.domain.states import SUPPLY_REPLICA_STATES, ReplicaState
 
 R = ReplicaState
-ActionKind = Literal["start", "wake", "drain", "undrain", "park"]
+ActionKind = Literal["start", "wake", "drain", "undrain", "park", "restart"]
 
 
 #: GPU indices per node name (e.g. the GPUs held, or free, on each node).
@@ -149,7 +155,9 @@ def _plan_service(
         serving = sorted(
             (r for r in svc.replicas if r.state == R.SERVING), key=lambda r: (r.in_flight, -r.slot)
         )
-        for r in serving[:-missing]:
+        # Make before break: the replicas that stay in routing must serve already.
+        surplus = min(-missing, max(0, len(serving) - svc.desired))
+        for r in serving[:surplus]:
             actions.append(
                 ReplicaAction(
                     "drain",

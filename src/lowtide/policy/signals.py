@@ -43,6 +43,8 @@ from operator import attrgetter
 from lowtide.domain.metrics import Histogram, ReplicaScrape, ReplicaSignals, ServiceSignals
 
 QUANTILES = (0.5, 0.9, 0.99)
+#: How a stale reason of rule 4 (frozen gauges) begins (`policy.inference.hung_reason` reads it).
+FROZEN_REASON = "gauges frozen"
 _AT = attrgetter("at")
 
 
@@ -233,10 +235,11 @@ def _staleness(
         held = newest.at - ok[k].at
         if held >= frozen_after_s:
             return (
-                f"gauges frozen: {newest.running:g} running, {newest.waiting or 0:g} waiting, and no "
+                f"{FROZEN_REASON}: {newest.running:g} running, {newest.waiting or 0:g} waiting, and no "
                 f"counter moved for {held:.0f}s (vLLM gauges can stick after aborts)"
                 if newest.running is not None
-                else f"gauges frozen: {in_flight:g} requests in flight and no counter moved for {held:.0f}s",
+                else f"{FROZEN_REASON}: {in_flight:g} requests in flight and no counter moved "
+                f"for {held:.0f}s",
                 ok[k].at + frozen_after_s,
             )
     return None
