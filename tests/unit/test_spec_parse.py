@@ -353,11 +353,23 @@ def test_params_must_be_json_compatible() -> None:
 
 def test_param_overrides_on_a_plain_job() -> None:
     spec = build_job_spec(
-        job(step("a", "run", "{{params.lr}}", "{{params.extra}}"), params={"lr": 0.1}),
-        param_overrides={"lr": 0.5, "extra": "x"},
+        job(step("a", "run", "{{params.lr}}"), params={"lr": 0.1}), param_overrides={"lr": 0.5}
     )
-    assert spec.params == {"lr": 0.5, "extra": "x"}
-    assert issues_of(job(step("a")), param_overrides={"bad-name": 1, "n": None}) == [
+    assert spec.params == {"lr": 0.5}
+    # An override of a parameter the job does not declare is a typo, refused (not silently added).
+    assert issues_of(
+        job(step("a", "run", "{{params.lr}}"), params={"lr": 0.1}),
+        param_overrides={"lr": 0.5, "unknown": 1},
+        override_locs={"lr": "query.param[0]", "unknown": "query.param[1]"},
+    ) == [
+        "query.param[1]: 'unknown' is not a parameter of this job (it has: lr);"
+        " declare it under 'params' to set it"
+    ]
+    assert issues_of(job(step("a")), param_overrides={"unknown": 1}) == [
+        "params.unknown: 'unknown' is not a parameter of this job (it has none);"
+        " declare it under 'params' to set it"
+    ]
+    assert issues_of(job(step("a"), params={"n": 1}), param_overrides={"bad-name": 1, "n": None}) == [
         "params.bad-name: 'bad-name' is not a valid parameter name: use letters, digits and '_',"
         " not starting with a digit (it becomes LOWTIDE_PARAM_<NAME>)",
         "params.n: has no value (null): give one (a null parameter means 'required' only in a template)",
@@ -399,8 +411,14 @@ def test_template_param_overrides() -> None:
     spec = build_job_spec(sft(), templates=TEMPLATES, param_overrides={"base": "from-cli"})
     assert spec.params["base"] == "from-cli"
     assert issues_of(sft(params={"base": "m"}), templates=TEMPLATES, param_overrides={"seed": 1}) == [
-        "params.seed: not a parameter of template 'sft' (it has: base, lr)"
+        "params.seed: 'seed' is not a parameter of template 'sft' (it has: base, lr)"
     ]
+    assert issues_of(
+        sft(params={"base": "m"}),
+        templates=TEMPLATES,
+        param_overrides={"seed": 1},
+        override_locs={"seed": "query.param[0]"},
+    ) == ["query.param[0]: 'seed' is not a parameter of template 'sft' (it has: base, lr)"]
     assert issues_of(sft(params={"base": "m"}), templates=TEMPLATES, param_overrides={"base": None}) == [
         "params.base: required by template 'sft'"
     ]
@@ -600,3 +618,56 @@ def test_topological_order_refuses_a_cycle_built_by_hand() -> None:
     )
     with pytest.raises(ValueError, match="dependency cycle among a, b"):
         topological_order(spec)
+
+
+# --------------------------------------------------------------------------- bounded numbers, excerpts
+
+
+HUGE = "9" * 5000  # past Python's 4,300-digit limit for int <-> str
+
+
+def test_integers_beyond_64_bits_are_located_and_never_converted() -> None:
+    text = (
+        f'{{"name": "x", "max_retries": {HUGE}, "params": {{"a": [1, -{HUGE}]}}, '
+        '"steps": [{"gpus": 9223372036854775808}]}'
+    )
+    issues = doc_issues(text)
+    assert [i.split(": ", 1)[0] for i in issues] == ["max_retries", "params.a[1]", "steps[0].gpus"]
+    assert all("integer out of range" in i for i in issues)
+    assert "(5000 digits)" in issues[0] and "…" in issues[0] and len(issues[0]) < 300
+    assert "9223372036854775808;" in issues[2]  # short ones are shown whole
+    yaml_issues = doc_issues(f"name: x\nsteps:\n  - name: a\n    command: [x, {HUGE}]\n")
+    assert (
+        yaml_issues[0].startswith("steps[0].command[1]: integer out of range") and len(yaml_issues[0]) < 300
+    )
+    assert parse_document('{"a": 9223372036854775807, "b": -9223372036854775808}') == {
+        "a": 2**63 - 1,
+        "b": -(2**63),
+    }
+
+
+def test_param_assignments_are_bounded_and_excerpted() -> None:
+    with pytest.raises(ValueError, match=r"^n: integer out of range: 9{64}… \(5000 digits\)"):
+        parse_param_assignment(f"n={HUGE}")
+    with pytest.raises(ValueError, match=r"^n\[1\]: integer out of range"):
+        parse_param_assignment(f"n=[1, {HUGE}]")
+    with pytest.raises(ValueError) as info:
+        parse_param_assignment("x" * 100_000)
+    assert len(str(info.value)) < 200
+    assert parse_param_assignment("n=-9223372036854775808") == ("n", -(2**63))
+
+
+def test_non_finite_numbers_stay_located_by_their_field() -> None:
+    doc = parse_document('{"name": "x", "grace_seconds": Infinity, "params": {"lr": NaN}, "steps": []}')
+    issues = issues_of({**doc, "steps": [step("a")]})
+    assert issues == [
+        "grace_seconds: must be a finite number, got inf",
+        "params.lr: must be a finite number, got nan",
+    ]
+
+
+def test_long_values_are_echoed_as_excerpts() -> None:
+    long = "y" * 100_000
+    issues = issues_of({"name": long, "priority": long, long: 1, "steps": [step("a", depends=[long])]})
+    assert issues and all(len(i) < 400 for i in issues), issues
+    assert any(i.startswith("name: 'yyyy") and "…' is not a valid name" in i for i in issues)

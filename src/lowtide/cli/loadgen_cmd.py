@@ -21,14 +21,17 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
+from lowtide.cli.output import HELP_MARKUP, clean
 from lowtide.emulator.loadgen import LoadReport, run_load
 from lowtide.emulator.traces import TraceSpec, parse_trace_spec
 
-loadgen_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, subcommand_metavar="")
+loadgen_app = typer.Typer(
+    add_completion=False, pretty_exceptions_enable=False, subcommand_metavar="", rich_markup_mode=HELP_MARKUP
+)
 
 
 def _bad_input(message: str) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
+    typer.echo(f"error: {clean(message)}", err=True)
     raise typer.Exit(2)
 
 

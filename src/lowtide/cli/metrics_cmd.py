@@ -23,15 +23,16 @@ from typing import Annotated, Any, NoReturn
 
 import httpx
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from lowtide.adapters.vllm_metrics import parse_vllm_metrics, strip_transcript
-from lowtide.cli.output import console
+from lowtide.cli.output import HELP_MARKUP, console, safe
 from lowtide.domain.metrics import Histogram, ReplicaScrape
 from lowtide.policy.signals import QUANTILES, histogram_quantile
 
-metrics_app = typer.Typer(help="Read vLLM metrics the way lowtide does.", no_args_is_help=True)
+metrics_app = typer.Typer(
+    help="Read vLLM metrics the way lowtide does.", no_args_is_help=True, rich_markup_mode=HELP_MARKUP
+)
 FETCH_TIMEOUT_S = 10.0
 MAX_BYTES = 32 * 1024 * 1024
 
@@ -42,7 +43,7 @@ def _metrics() -> None:
 
 
 def _fail(message: str) -> NoReturn:
-    console(stderr=True).print(f"[red]error:[/red] {escape(message)}")
+    console(stderr=True).print(f"[red]error:[/red] {safe(message)}")
     raise typer.Exit(2)
 
 
@@ -127,7 +128,7 @@ def _show(value: object) -> str:
         return "[dim]unknown[/dim]"
     if isinstance(value, float):
         return f"{value:,.6g}"
-    return escape(str(value))
+    return safe(str(value))
 
 
 def _table(data: dict[str, Any]) -> Table:
@@ -185,6 +186,6 @@ def parse(
     else:
         out.print(_table(data))
         for problem in scrape.problems:
-            out.print(f"[yellow]note:[/yellow] {escape(problem)}")
+            out.print(f"[yellow]note:[/yellow] {safe(problem)}")
     if not scrape.ok:
         _fail(f"{source}: {scrape.error}")

@@ -25,11 +25,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, NoReturn
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from lowtide.cli.client import ApiFailure, Client
-from lowtide.cli.output import console
+from lowtide.cli.output import console, safe
 from lowtide.policy.accounting import KIND_NAMES
 from lowtide.policy.monthly import month_label, parse_month
 
@@ -174,8 +173,8 @@ def _format(fmt: str | None, as_json: bool) -> str:
 
 def _refuse(message: str, *, where: str = "") -> NoReturn:
     """Bad input: say why (the option first, when there is one) and exit 2."""
-    prefix = f"{escape(where)}: " if where else ""
-    console(stderr=True).print(f"[red]error:[/red] {prefix}{escape(message)}")
+    prefix = f"{safe(where)}: " if where else ""
+    console(stderr=True).print(f"[red]error:[/red] {prefix}{safe(message)}")
     raise typer.Exit(2)
 
 
@@ -184,10 +183,10 @@ def _get(client: Callable[[], Client], path: str, params: Mapping[str, str]) -> 
         return client().json("GET", path, params=dict(params))
     except ApiFailure as exc:
         err = console(stderr=True)
-        err.print(f"[red]error:[/red] {escape(exc.message)}")
+        err.print(f"[red]error:[/red] {safe(exc.message)}")
         for e in exc.errors:
             where = _OPTION_OF.get(e.get("loc", ""), e.get("loc", ""))
-            err.print(f"  {escape(where)}: {escape(e.get('msg', ''))}")
+            err.print(f"  {safe(where)}: {safe(e.get('msg', ''))}")
         raise typer.Exit(2 if exc.client_error else 1) from exc
 
 
@@ -254,7 +253,7 @@ def _cells(group_by: str, r: Mapping[str, Any]) -> list[str]:
         head = [r["key"], kind, r["job_id"] or "-", r["team"] or "-", _hours(held)]
     else:
         head = [r["key"], _hours(held)]
-    return [escape(c) for c in head] + tail
+    return [safe(c) for c in head] + tail
 
 
 # -- the monthly report -------------------------------------------------------------------------
@@ -334,9 +333,9 @@ def print_monthly(d: Mapping[str, Any]) -> None:
     """The headline, the period and what was lent, then one table row per team and the total."""
     out = console()
     state = "complete" if d["complete"] else "in progress"
-    out.print(f"[bold]{escape(monthly_headline(d))}[/bold]")
+    out.print(f"[bold]{safe(monthly_headline(d))}[/bold]")
     out.print(
-        escape(
+        safe(
             f"period {d['start_local']} → {d['end_local']} ({d['hours']:.1f} h, {d['timezone']}, {state}); "
             f"lent {d['lent_gpu_hours']:,.1f} GPU-h ({_gpus(d['lent_gpus'])} GPUs) of "
             f"{d['capacity_gpu_hours']:,.1f}; {d['total']['preemptions']} preemption(s), "
@@ -355,14 +354,14 @@ def print_monthly(d: Mapping[str, Any]) -> None:
         f"SAVINGS {cur}",
         "PREEMPTIONS",
         "LOST GPU-H",
-        title=escape(f"Research on lent GPUs, {d['month']}, per team"),
+        title=safe(f"Research on lent GPUs, {d['month']}, per team"),
     )
     for column in table.columns[1:]:
         column.justify = "right"
     for row in d["teams"]:
-        table.add_row(escape(_team_name(row)), *[escape(c) for c in _monthly_cells(row)])
+        table.add_row(safe(_team_name(row)), *[safe(c) for c in _monthly_cells(row)])
     table.add_section()
-    table.add_row("TOTAL", *[escape(c) for c in _monthly_cells(d["total"])], style="bold")
+    table.add_row("TOTAL", *[safe(c) for c in _monthly_cells(d["total"])], style="bold")
     out.print(table)
 
 

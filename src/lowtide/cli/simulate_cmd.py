@@ -19,17 +19,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, get_args
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
-from lowtide.cli.output import console
+from lowtide.cli.output import HELP_MARKUP, console, safe
 from lowtide.sim.policies import POLICIES, PolicyName
 
 if TYPE_CHECKING:  # the simulator (and matplotlib) load only when the command runs
     from lowtide.sim.run import PolicyRun
     from lowtide.sim.scenario import Scenario
 
-simulate_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, subcommand_metavar="")
+simulate_app = typer.Typer(
+    add_completion=False, pretty_exceptions_enable=False, subcommand_metavar="", rich_markup_mode=HELP_MARKUP
+)
 out = console()
 err = console(stderr=True)
 
@@ -50,7 +51,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
 
 
 def _bad_input(message: str) -> NoReturn:
-    err.print(f"[red]error:[/red] {escape(message)}")
+    err.print(f"[red]error:[/red] {safe(message)}")
     raise typer.Exit(2)
 
 
@@ -98,7 +99,7 @@ def print_table(runs: list[PolicyRun]) -> None:
         table.add_column(heading, justify="right")
     for run in runs:
         s = run.summary
-        table.add_row(escape(run.policy), *(_fmt(s.get(key), pattern) for key, _, pattern in COLUMNS))
+        table.add_row(safe(run.policy), *(_fmt(s.get(key), pattern) for key, _, pattern in COLUMNS))
     out.print(table)
     first = runs[0].summary
     base = next((r.summary["baseline_none"] for r in runs if "baseline_none" in r.summary), None) or {
@@ -186,4 +187,4 @@ def simulate_command(
     else:
         print_table(runs)
         written = "compare.json" if compare_ is not None else "summary.json and report.html"
-        out.print(f"wrote {escape(written)} in {escape(str(out_dir))}")
+        out.print(f"wrote {safe(written)} in {safe(str(out_dir))}")

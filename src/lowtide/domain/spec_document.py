@@ -9,6 +9,15 @@ scalars with YAML 1.2-style rules rather than PyYAML's YAML 1.1 ones: `yes`/`no`
 dates, `1:30`, `007` and `0x1f` stay strings; `2e-5` is a float like in JSON; only
 `true`/`false` are booleans. This keeps YAML and JSON specs meaning the same thing.
 
+Numbers are bounded: an integer must fit in 64 bits (MIN_INT..MAX_INT). A larger one (CPython
+3.11+ refuses to convert more than `sys.int_info.default_max_str_digits` = 4,300 digits between
+int and str, raising ValueError, and no field needs more than 64 bits) is read as an
+`OutOfRange` placeholder holding a short excerpt of its digits, never as an int, and
+`parse_document` refuses the document with every such number located (`steps[0].gpus`);
+`out_of_range_issues` does the same for other values read with `SpecLoader` (CLI `-p k=v`).
+Non-finite floats (`.inf`, `NaN`, `1e999`) are plain floats here; each field's own check refuses
+them, located.
+
 Neighbours: `spec_issues` (how problems are reported); `spec_parse.build_job_spec` validates the
 documents made here; `spec_render.parse_param_assignment` reads CLI values with `SpecLoader`.
 Must not: validate what a document means (that is `spec_parse`), read files, or read the clock.
@@ -19,19 +28,95 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import yaml
 
-from lowtide.domain.spec_issues import SpecInvalid, doc_error, kind
+from lowtide.domain.spec_issues import (
+    DOCUMENT,
+    EXCERPT_CHARS,
+    SpecInvalid,
+    SpecIssue,
+    doc_error,
+    excerpt,
+    kind,
+)
 
-__all__ = ["MAX_SPEC_BYTES", "SpecLoader", "parse_document"]
+__all__ = [
+    "MAX_INT",
+    "MAX_SPEC_BYTES",
+    "MIN_INT",
+    "OutOfRange",
+    "SpecLoader",
+    "out_of_range_issues",
+    "parse_document",
+]
 
 MAX_SPEC_BYTES = 1024 * 1024
 #: A document may expand (through YAML aliases) to at most this many values; an alias-free
 #: document within MAX_SPEC_BYTES never comes close, a "billion laughs" one does.
 _MAX_VALUES = MAX_SPEC_BYTES
+
+
+#: The range of an integer in a spec: 64-bit signed (what the store's columns and JSON tools hold).
+MAX_INT = 2**63 - 1
+MIN_INT = -(2**63)
+_MAX_DIGITS = len(str(MAX_INT))
+
+
+@dataclass(frozen=True, slots=True)
+class OutOfRange:
+    """An integer literal outside MIN_INT..MAX_INT, kept as an excerpt of its text (never converted)."""
+
+    head: str  # at most EXCERPT_CHARS characters of the literal
+    digits: int
+
+    def __str__(self) -> str:
+        more = "…" if self.digits > len(self.head.lstrip("+-")) else ""
+        return f"{self.head}{more}"
+
+    @property
+    def message(self) -> str:
+        return (
+            f"integer out of range: {self}{f' ({self.digits} digits)' if self.digits > _MAX_DIGITS else ''}; "
+            f"integers must be between {MIN_INT} and {MAX_INT}"
+        )
+
+
+def _bounded_int(text: str) -> int | OutOfRange:
+    """`text` (an integer literal) as an int, or OutOfRange without ever converting a huge one."""
+    digits = len(text.lstrip("+-"))
+    if digits <= _MAX_DIGITS:
+        value = int(text, 10)
+        if MIN_INT <= value <= MAX_INT:
+            return value
+    return OutOfRange(text[:EXCERPT_CHARS], digits)
+
+
+def _walk_out_of_range(value: object, loc: str, seen: set[int]) -> Iterator[SpecIssue]:
+    if isinstance(value, OutOfRange):
+        yield SpecIssue(loc or DOCUMENT, value.message)
+    elif isinstance(value, dict | list):
+        if id(value) in seen:  # a YAML alias: its content was looked at where it was defined
+            return
+        seen.add(id(value))
+        if isinstance(value, list):
+            for i, item in enumerate(value):
+                yield from _walk_out_of_range(item, f"{loc}[{i}]", seen)
+            return
+        for key, item in value.items():
+            if isinstance(key, OutOfRange):
+                yield SpecIssue(loc or DOCUMENT, f"a key is an {key.message}")
+                continue
+            name = key if isinstance(key, str) and len(key) <= EXCERPT_CHARS else excerpt(key)
+            yield from _walk_out_of_range(item, f"{loc}.{name}" if loc else str(name), seen)
+
+
+def out_of_range_issues(value: object, loc: str = "") -> list[SpecIssue]:
+    """Every integer out of MIN_INT..MAX_INT in `value` (as read here), located under `loc`."""
+    return list(_walk_out_of_range(value, loc, set()))
 
 
 try:
@@ -42,7 +127,9 @@ except ImportError:  # pragma: no cover - PyYAML built without libyaml
 
 class _DuplicateKey(yaml.constructor.ConstructorError):
     def __init__(self, key: object, line: int, first_line: int) -> None:
-        super().__init__(None, None, f"duplicate key {key!r} at line {line} (first at line {first_line})")
+        super().__init__(
+            None, None, f"duplicate key {excerpt(key)} at line {line} (first at line {first_line})"
+        )
 
 
 class SpecLoader(_BaseLoader):
@@ -62,13 +149,13 @@ class SpecLoader(_BaseLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _construct_int(loader: SpecLoader, node: yaml.Node) -> int:
+def _construct_int(loader: SpecLoader, node: yaml.Node) -> int | OutOfRange:
     text = str(loader.construct_scalar(node))  # type: ignore[arg-type]
     try:
-        return int(text, 10)
+        return _bounded_int(text)
     except ValueError:
         raise yaml.constructor.ConstructorError(
-            None, None, f"not an integer: {text!r}", node.start_mark
+            None, None, f"not an integer: {excerpt(text)}", node.start_mark
         ) from None
 
 
@@ -81,7 +168,7 @@ def _construct_float(loader: SpecLoader, node: yaml.Node) -> float:
         return float(text)
     except ValueError:
         raise yaml.constructor.ConstructorError(
-            None, None, f"not a number: {text!r}", node.start_mark
+            None, None, f"not a number: {excerpt(text)}", node.start_mark
         ) from None
 
 
@@ -124,14 +211,14 @@ def _reject_duplicate_json_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
-            raise doc_error(f"duplicate key {key!r}")
+            raise doc_error(f"duplicate key {excerpt(key)}")
         out[key] = value
     return out
 
 
 def _load_json(text: str) -> Any:
     try:
-        return json.loads(text, object_pairs_hook=_reject_duplicate_json_keys)
+        return json.loads(text, object_pairs_hook=_reject_duplicate_json_keys, parse_int=_bounded_int)
     except json.JSONDecodeError as exc:
         raise doc_error(f"invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
     except RecursionError:
@@ -205,4 +292,10 @@ def parse_document(data: bytes | str, *, fmt: Literal["auto", "yaml", "json"] = 
         got = "an empty document" if doc is None else kind(doc)
         raise doc_error(f"the top level must be a mapping, got {got}")
     _check_expansion(doc)
+    try:
+        out_of_range = out_of_range_issues(doc)
+    except RecursionError:
+        raise doc_error("the document is nested too deeply") from None
+    if out_of_range:
+        raise SpecInvalid(out_of_range)
     return doc

@@ -6,7 +6,9 @@ so a researcher fixes a spec in one round. Locations look like `steps[1].depends
 `template 'NAME': ` (`template_prefix`). Also here, because more than one spec module needs them:
 the `Issues` collector, the name rule (NAME_RULE, `is_valid_name`) and identifier rule
 (IDENT_RE, IDENT_RULE), the retry limit (MAX_RETRIES), the checks for unknown keys, names and
-counts, and the wording helpers `kind` ("an integer") and `suggest` (" (did you mean 'x'?)").
+counts, and the wording helpers `kind` ("an integer"), `suggest` (" (did you mean 'x'?)") and
+`excerpt` (a value as it may appear in a message: at most EXCERPT_CHARS characters, then "…", so a
+1 MiB name or key is never echoed back whole).
 
 Neighbours: everything else in `domain.spec_*` builds on this module; it imports none of them.
 `spec_document` reads text, `spec_steps` checks steps and the DAG, `spec_parse` checks and
@@ -25,6 +27,7 @@ from typing import Any
 
 __all__ = [
     "DOCUMENT",
+    "EXCERPT_CHARS",
     "IDENT_RE",
     "IDENT_RULE",
     "MAX_RETRIES",
@@ -36,6 +39,7 @@ __all__ = [
     "check_keys",
     "check_name",
     "doc_error",
+    "excerpt",
     "is_valid_name",
     "kind",
     "suggest",
@@ -117,9 +121,27 @@ def kind(value: object) -> str:
     return f"{'an' if name[:1] in 'aeiou' else 'a'} {name}"
 
 
+#: The most characters of an offending value a message echoes (then "…").
+EXCERPT_CHARS = 64
+
+
+def excerpt(value: object, limit: int = EXCERPT_CHARS) -> str:
+    """`value` for a message, as `repr` would show it but cut to `limit` characters plus "…".
+
+    Never converts a huge integer to decimal (Python refuses past 4,300 digits): it is described
+    by its size instead.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 4 * limit:
+        return f"<an integer of about {int(value.bit_length() * 0.30103) + 1} digits>"
+    if isinstance(value, str):
+        return repr(value if len(value) <= limit else value[:limit] + "…")
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
 def suggest(word: object, choices: Sequence[str]) -> str:
     """ " (did you mean 'x'?)" for the closest of `choices` to `word`, or "" when none is close."""
-    if not isinstance(word, str):
+    if not isinstance(word, str) or len(word) > 4 * EXCERPT_CHARS:  # nothing long is a typo
         return ""
     close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
@@ -138,8 +160,9 @@ def check_keys(doc: Mapping[Any, Any], allowed: Sequence[str], loc: str, issues:
     for key in doc:
         if key not in allowed:
             # Located at the key itself: `colour`, `steps[1].depend`, `template 'x': nmae`.
-            at = loc[: -len(DOCUMENT)] + str(key) if loc.endswith(DOCUMENT) else f"{loc}.{key}"
-            issues.add(at, f"unknown key {key!r}{suggest(key, allowed)}")
+            name = key if isinstance(key, str) and len(key) <= EXCERPT_CHARS else excerpt(key)
+            at = loc[: -len(DOCUMENT)] + str(name) if loc.endswith(DOCUMENT) else f"{loc}.{name}"
+            issues.add(at, f"unknown key {excerpt(key)}{suggest(key, allowed)}")
 
 
 def check_name(value: object, loc: str, issues: Issues) -> str | None:
@@ -148,7 +171,7 @@ def check_name(value: object, loc: str, issues: Issues) -> str | None:
         issues.add(loc, f"must be a string, got {kind(value)}")
         return None
     if not is_valid_name(value):
-        issues.add(loc, f"{value!r} is not a valid name: use {NAME_RULE}")
+        issues.add(loc, f"{excerpt(value)} is not a valid name: use {NAME_RULE}")
         return None
     return value
 

@@ -26,8 +26,8 @@ import yaml
 
 from lowtide.domain.layout import ArtifactLayout
 from lowtide.domain.spec import JobSpec, ResolvedStep, StepSpec
-from lowtide.domain.spec_document import SpecLoader
-from lowtide.domain.spec_issues import IDENT_RE, IDENT_RULE
+from lowtide.domain.spec_document import SpecLoader, out_of_range_issues
+from lowtide.domain.spec_issues import IDENT_RE, IDENT_RULE, excerpt
 
 __all__ = [
     "PLACEHOLDER_FORMS",
@@ -107,6 +107,7 @@ def render_step(spec: JobSpec, step: StepSpec, *, job_id: str, layout: ArtifactL
         inputs=inputs,
         outputs=outputs,
         checkpoint_dir=layout.checkpoints(job_id, step.name) if step.checkpoint else None,
+        secrets=(*spec.secrets, *(u for u in step.secrets if u not in spec.secrets)),
     )
 
 
@@ -116,30 +117,39 @@ def parse_param_assignment(text: str) -> tuple[str, Any]:
     VALUE is read as one YAML plain scalar with the spec rules (`spec_document`): `3` is an int, `2e-5` and
     `0.1` floats, `true`/`false` booleans, `null` None, anything else (including an empty VALUE)
     the string as written. A VALUE starting with `[` or `{` is read as a YAML/JSON list or mapping.
+    Raises ValueError (echoing at most an excerpt of VALUE) for a malformed one, or an integer
+    outside the spec range (`spec_document.MAX_INT`).
     """
     name, sep, raw = text.partition("=")
     if not sep:
-        raise ValueError(f"expected NAME=VALUE, got {text!r} (no '=')")
+        raise ValueError(f"expected NAME=VALUE, got {excerpt(text)} (no '=')")
     if not name:
-        raise ValueError(f"expected NAME=VALUE, got {text!r} (no name before '=')")
+        raise ValueError(f"expected NAME=VALUE, got {excerpt(text)} (no name before '=')")
     if not IDENT_RE.fullmatch(name):
-        raise ValueError(f"{name!r} is not a valid parameter name: use {IDENT_RULE}")
+        raise ValueError(f"{excerpt(name)} is not a valid parameter name: use {IDENT_RULE}")
     if raw == "":
         return name, ""
     if raw.lstrip().startswith(("[", "{")):
         try:
             value = yaml.load(raw, Loader=SpecLoader)  # noqa: S506 - SpecLoader is a SafeLoader
         except yaml.YAMLError as exc:
-            raise ValueError(f"{name}: cannot read {raw!r} as a list or mapping: {exc}") from None
-        return name, value
-    loader = SpecLoader("")
-    try:
-        tag = loader.resolve(yaml.ScalarNode, raw, (True, False))  # type: ignore[no-untyped-call]
-        if tag == "tag:yaml.org,2002:str":
-            return name, raw
-        return name, loader.construct_object(yaml.ScalarNode(tag, raw))
-    finally:
-        loader.dispose()
+            problem = getattr(exc, "problem", None) or "malformed"
+            raise ValueError(f"{name}: cannot read {excerpt(raw)} as a list or mapping: {problem}") from None
+    else:
+        loader = SpecLoader("")
+        try:
+            tag = loader.resolve(yaml.ScalarNode, raw, (True, False))  # type: ignore[no-untyped-call]
+            if tag == "tag:yaml.org,2002:str":
+                return name, raw
+            value = loader.construct_object(yaml.ScalarNode(tag, raw))
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{name}: cannot read {excerpt(raw)}: {exc}") from None
+        finally:
+            loader.dispose()
+    bad = out_of_range_issues(value, name)
+    if bad:
+        raise ValueError("; ".join(str(issue) for issue in bad))
+    return name, value
 
 
 def upstream_of(spec: JobSpec, step_name: str) -> frozenset[str]:
