@@ -8,6 +8,10 @@ future), refusing bad values with located 422s; `usage_out` shapes a `UsageRepor
 `monthly_report` reads a month and the month before it (`YYYY-MM`, local midnights in `tz`; a month
 in progress ends now, a month not yet begun is refused) as four store usage reports, by team and
 by job for each month, and hands them to `policy.monthly.monthly_report`; `monthly_out` shapes it.
+Visibility (docs/architecture.md §11): a caller who does not see every team gets only the rows
+of its teams (`visible_team`): job, team and attempt-holder rows of other teams are left out;
+rows of no team (days, idle GPUs, replicas) are pool-wide figures and stay, and so do the
+totals, which describe the whole pool (capacity, lent, used) and name no job or team.
 The routes themselves are in `app.create_app` (they need the app's auth dependency), one call
 into here each. Neighbours: `store.reports_repo` (the figures), `policy.accounting` and
 `policy.monthly` (their definitions), `cli.report_cmd` (prints these). Must not: compute figures
@@ -18,6 +22,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, datetime
 from zoneinfo import ZoneInfo
 
@@ -55,6 +61,13 @@ TIME_HELP = "epoch seconds, ISO-8601 (no offset: local time in tz) or a duration
 #: keeps savings finite, which JSON needs).
 MAX_PRICE = 1e12
 CURRENCY_PATTERN = "^[A-Z]{3}$"
+
+#: Whether the caller sees a team's rows (None: a row of no team, always shown).
+TeamFilter = Callable[[str | None], bool]
+
+
+def _every_team(team: str | None) -> bool:
+    return True
 
 
 class UsageRowOut(BaseModel):
@@ -172,8 +185,9 @@ def usage_report(
     end: str | None,
     group_by: GroupBy,
     tz: str | None,
+    visible_team: TeamFilter = _every_team,
 ) -> UsageReportOut:
-    """The body of `GET /v1/reports/usage`."""
+    """The body of `GET /v1/reports/usage`: rows of teams `visible_team` refuses are left out."""
     t_start, t_end, zone_name = resolve_period(start, end, tz, now=now, policy=policy)
     report = store.usage_report(
         t_start,
@@ -183,7 +197,8 @@ def usage_report(
         price_per_gpu_hour=policy.price_per_gpu_hour,
         currency=policy.currency,
     )
-    return usage_out(report)
+    rows = tuple(r for r in report.rows if r.team is None or visible_team(r.team))
+    return usage_out(replace(report, rows=rows) if len(rows) != len(report.rows) else report)
 
 
 def usage_out(r: UsageReport) -> UsageReportOut:
@@ -320,6 +335,7 @@ def monthly_report(
     tz: str | None,
     price: float | None,
     currency: str | None,
+    visible_team: TeamFilter = _every_team,
 ) -> MonthlyReportOut:
     """The body of `GET /v1/reports/monthly` (price and currency already checked by the route;
     defaults: the configured ones)."""
@@ -345,7 +361,8 @@ def monthly_report(
         previous_jobs=jobs_by_team(usage(prev_start, prev_end, "job")),
         complete=month_end <= now,
     )
-    return monthly_out(report)
+    teams = tuple(t for t in report.teams if t.team is None or visible_team(t.team))
+    return monthly_out(replace(report, teams=teams) if len(teams) != len(report.teams) else report)
 
 
 def monthly_out(r: MonthlyReport) -> MonthlyReportOut:

@@ -207,6 +207,33 @@ class TokenRecord:
     attempt_id: int | None
     created_at: float
     revoked_at: float | None
+    #: The teams the holder may submit for and see ("*": every team); docs/architecture.md §11.
+    teams: tuple[str, ...] = ()
+    #: The highest job priority the holder may submit (0..100).
+    max_priority: int = 0
+
+
+class LastAdminToken(StoreError):
+    """Revoking this token would leave no active admin token (nobody could mint another)."""
+
+
+@dataclass(frozen=True, slots=True)
+class JobScope:
+    """Which jobs a person may see: their own, and those of `teams` ("*" in it: every team).
+
+    `list_jobs(visible_to=...)` filters by it in the store query; `api.auth` checks single jobs
+    with `allows`. docs/architecture.md §11.
+    """
+
+    owner: str
+    teams: tuple[str, ...]
+
+    @property
+    def all_teams(self) -> bool:
+        return "*" in self.teams
+
+    def allows(self, *, owner: str, team: str) -> bool:
+        return owner == self.owner or self.all_teams or team in self.teams
 
 
 @dataclass(frozen=True, slots=True)

@@ -171,11 +171,15 @@ tokens = sa.Table(
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
     sa.Column("name", sa.String(128), nullable=False),
     sa.Column("owner", sa.String(128), nullable=False),
-    sa.Column("role", sa.String(16), nullable=False),  # admin | user | step
+    sa.Column("role", sa.String(16), nullable=False),  # admin | user | viewer | step
     sa.Column("token_hash", sa.String(64), nullable=False, unique=True),
     sa.Column("attempt_id", sa.Integer),  # step tokens only: the attempt they may report for
     sa.Column("created_at", Time, nullable=False),
     sa.Column("revoked_at", Time),
+    # Scope (docs/architecture.md §11): the teams the holder may submit for and see ("*": all),
+    # and the highest priority it may submit. Tokens older than 0005 keep everything.
+    sa.Column("teams", sa.JSON, nullable=False, server_default='["*"]'),
+    sa.Column("max_priority", sa.Integer, nullable=False, server_default="100"),
 )
 
 meta = sa.Table(
