@@ -61,6 +61,7 @@ def queued(
     eligible_at: float = 0.0,
     preempted: bool = False,
     retry_note: str = "",
+    owner: str = "",
 ) -> QueuedStep:
     return QueuedStep(
         job_id=job_id,
@@ -73,6 +74,7 @@ def queued(
         eligible_at=eligible_at,
         preempted=preempted,
         retry_note=retry_note,
+        owner=owner,
     )
 
 
@@ -86,6 +88,7 @@ def running(
     priority: int = 0,
     started_at: float = NOW,
     attempt_id: int | None = None,
+    owner: str = "",
 ) -> RunningStep:
     return RunningStep(
         attempt_id=next(_attempt_ids) if attempt_id is None else attempt_id,
@@ -96,6 +99,7 @@ def running(
         node=node,
         gpus=tuple(gpus),
         started_at=started_at,
+        owner=owner,
     )
 
 

@@ -17,8 +17,30 @@ Queue order
     FIFO queues and a heap of teams keyed by share: O(n log n) in the number of queued steps.
 
 Placement
-    A step with no GPUs always starts, on the first node by name. A GPU step goes on one node,
-    chosen best fit among the nodes not reserved in this decision (`policy.placement`).
+    A step with no GPUs (CPU-only) starts on the first node by name that runs fewer than
+    `max_cpu_steps_per_node` CPU-only steps, if its owner runs fewer than
+    `max_cpu_steps_per_user`; otherwise it waits, with the limit as its reason (None: no limit).
+    Running CPU-only steps are counted from the snapshot (`Snapshot.cpu_steps_running`, stopping
+    ones included: their processes still run) plus those this decision starts. A GPU step goes on
+    one node, chosen best fit among the nodes not reserved in this decision (`policy.placement`).
+
+Team quotas (nominal, borrowing only idle GPUs)
+    `team_quotas` gives some teams a nominal number of GPUs (teams without one have no limit).
+    A GPU step whose team would then hold more than its quota (GPUs its running steps hold, plus
+    those this decision gives it, plus the step's) *borrows*: it is set aside in the first pass,
+    which places every other step in queue order (priority, fair share, reservations, backfill);
+    a second pass then places the borrowing steps, in queue order among themselves (fair share
+    still interleaves borrowing teams), on the GPUs left, never on a reserved node and without
+    reserving one. So a borrowing step only ever gets GPUs that no waiting step of a team within
+    its quota could use now: such a step would have been placed in the first pass (free GPUs only
+    shrink within a decision), or holds its node as a reservation. Quotas come before priority
+    and fair share: a high-priority step of a team beyond its quota waits behind a low-priority
+    step of a team within its quota. The model is Kueue's (API kueue.x-k8s.io/v1beta2: a
+    ClusterQueue's `nominalQuota`, and the queues of a cohort borrow "the unused nominal quota
+    of all the cluster queues in a cohort"; Red Hat build of Kueue docs, "Using cohorts",
+    OpenShift 4.21), reduced to one cohort of all teams and no `borrowingLimit`.
+    What is not done: reclaiming borrowed GPUs for a team back under its quota (Kueue's
+    preemption within the cohort); that team waits until the borrowed GPUs free up.
 
 Reservations and backfill
     When a GPU step cannot be placed and fewer than `max_reservations` reservations exist, it
@@ -50,7 +72,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from lowtide.policy.fairshare import FairSharePolicy, TeamShares
@@ -64,10 +86,23 @@ class SchedulerPolicy:
     fair_share: FairSharePolicy = field(default_factory=FairSharePolicy)
     #: How many blocked heads may each hold a node back from backfill (0: pure greedy backfill).
     max_reservations: int = 1
+    #: CPU-only steps (`gpus: 0`) running at once on one node (None: no limit).
+    max_cpu_steps_per_node: int | None = None
+    #: CPU-only steps running at once per user, the jobs' owner (None: no limit).
+    max_cpu_steps_per_user: int | None = None
+    #: Nominal GPUs per team; beyond it a team only borrows idle GPUs (a team not named: no quota).
+    team_quotas: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_reservations < 0:
             raise ValueError(f"max_reservations must be ≥ 0, got {self.max_reservations}")
+        for name in ("max_cpu_steps_per_node", "max_cpu_steps_per_user"):
+            limit = getattr(self, name)
+            if limit is not None and limit < 1:
+                raise ValueError(f"{name} must be ≥ 1 (or None: no limit), got {limit}")
+        for team, quota in self.team_quotas.items():
+            if quota < 0:
+                raise ValueError(f"the quota of team {team!r} must be ≥ 0, got {quota}")
 
 
 def decide(snapshot: Snapshot, policy: SchedulerPolicy) -> SchedulePlan:
@@ -128,6 +163,12 @@ class _Decision:
     def __init__(self, snapshot: Snapshot, policy: SchedulerPolicy) -> None:
         self._snapshot = snapshot
         self._max_reservations = policy.max_reservations
+        self._max_cpu_per_node = policy.max_cpu_steps_per_node
+        self._max_cpu_per_user = policy.max_cpu_steps_per_user
+        self._quotas = policy.team_quotas
+        self._cpu_nodes = sorted(node.name for node in snapshot.nodes)
+        self._cpu_node_pos = 0  # nodes before it are at their CPU-only limit (counts only grow)
+        self._cpu_by_node, self._cpu_by_owner = snapshot.cpu_steps_running()
         self._free = FreeGpus.from_snapshot(snapshot)
         self._shares = TeamShares.from_snapshot(snapshot, policy.fair_share)
         self._cpu_node = min((node.name for node in snapshot.nodes), default=None)
@@ -140,6 +181,7 @@ class _Decision:
         # Waiting reasons by GPU count: most queued steps wait for the same few reasons, and a
         # reason only changes when a take or a reservation changes the free GPUs.
         self._blocked_reasons: dict[int, str] = {}
+        self._borrow_reasons: dict[tuple[str, int], str] = {}  # (team, GPUs): same lifetime
         self._backfill_note = ""
         # Free GPUs only shrink during a decision, so a need that failed once fails again.
         self._smallest_unplaceable = math.inf
@@ -148,8 +190,14 @@ class _Decision:
         now = self._snapshot.now
         ready = [step for step in self._snapshot.queued if step.eligible_at <= now]
         backing_off = [step for step in self._snapshot.queued if step.eligible_at > now]
+        borrowing: list[QueuedStep] = []
         for step in in_queue_order(ready, self._shares):
-            self._consider(step)
+            if self._quotas and self._borrows(step):
+                borrowing.append(step)
+            else:
+                self._consider(step)
+        for step in in_queue_order(borrowing, self._shares):
+            self._consider_borrowing(step)
         for step in sorted(backing_off, key=lambda s: (s.eligible_at, _fifo_key(s))):
             self._waiting.append(Waiting(step.job_id, step.step, backoff_reason(step, now)))
         return SchedulePlan(
@@ -176,20 +224,75 @@ class _Decision:
                 return
         self._waiting.append(Waiting(step.job_id, step.step, self._blocked_reason(need)))
 
+    def _borrows(self, step: QueuedStep) -> bool:
+        """Would starting this GPU step take its team beyond its quota?"""
+        quota = self._quotas.get(step.team)
+        return quota is not None and step.gpus > 0 and self._shares.held(step.team) + step.gpus > quota
+
+    def _consider_borrowing(self, step: QueuedStep) -> None:
+        """Second pass: place a borrowing step on GPUs nobody within quota can use now, or say why not."""
+        need = step.gpus
+        quota = self._quotas[step.team]
+        if need < self._smallest_unplaceable:
+            node = self._free.best_fit(need, self._reserved_nodes)
+            if node is not None:
+                self._start_on(step, node, f"; borrowed: team {step.team} is beyond its quota of {quota}")
+                return
+            self._smallest_unplaceable = need
+        reason = self._borrow_reasons.get((step.team, need))
+        if reason is None:
+            held = int(self._shares.held(step.team))
+            if held >= quota:
+                why = f"team {step.team} is at its quota of {_count(quota, 'GPU')} (borrowing only idle GPUs)"
+            else:
+                why = (
+                    f"team {step.team} would exceed its quota of {_count(quota, 'GPU')} "
+                    f"(holds {held}, needs {need}; borrowing only idle GPUs)"
+                )
+            reason = self._borrow_reasons[(step.team, need)] = f"{why}; {self._blocked_reason(need)}"
+        self._waiting.append(Waiting(step.job_id, step.step, reason))
+
     def _start_cpu_step(self, step: QueuedStep) -> None:
         if self._cpu_node is None:
             self._waiting.append(Waiting(step.job_id, step.step, "needs no GPUs, but the pool has no nodes"))
             return
-        reason = f"needs no GPUs: runs on {self._cpu_node}"
-        self._starts.append(StartStep(step.job_id, step.step, self._cpu_node, (), reason))
+        per_user = self._max_cpu_per_user
+        if per_user is not None and (n := self._cpu_by_owner.get(step.owner, 0)) >= per_user:
+            reason = f"user {step.owner or '(unknown)'} has {n} CPU-only steps running, the limit"
+            self._waiting.append(Waiting(step.job_id, step.step, reason))
+            return
+        node = self._cpu_node_with_room()
+        if node is None:
+            where = "" if len(self._cpu_nodes) == 1 else f" on all {len(self._cpu_nodes)} nodes"
+            reason = f"node limit of {self._max_cpu_per_node} CPU-only steps reached{where}"
+            self._waiting.append(Waiting(step.job_id, step.step, reason))
+            return
+        self._cpu_by_node[node] = self._cpu_by_node.get(node, 0) + 1
+        self._cpu_by_owner[step.owner] = self._cpu_by_owner.get(step.owner, 0) + 1
+        reason = f"needs no GPUs: runs on {node}"
+        self._starts.append(StartStep(step.job_id, step.step, node, (), reason))
 
-    def _start_on(self, step: QueuedStep, node: str) -> None:
+    def _cpu_node_with_room(self) -> str | None:
+        """The first node by name below its CPU-only limit (any node is, without a limit)."""
+        limit = self._max_cpu_per_node
+        if limit is None:
+            return self._cpu_node
+        while self._cpu_node_pos < len(self._cpu_nodes):
+            name = self._cpu_nodes[self._cpu_node_pos]
+            if self._cpu_by_node.get(name, 0) < limit:
+                return name
+            self._cpu_node_pos += 1
+        return None
+
+    def _start_on(self, step: QueuedStep, node: str, note: str = "") -> None:
         free_before = self._free.free_count(node)
         gpus = self._free.take(node, step.gpus)
         self._blocked_reasons.clear()
+        self._borrow_reasons.clear()
         self._shares.add_held(step.team, step.gpus)
         verb = "backfilled" if self._reservations else "placed"
         reason = f"{verb} on {node} {_gpu_list(gpus)} (best fit: {free_before} free){self._backfill_note}"
+        reason += note
         self._starts.append(StartStep(step.job_id, step.step, node, gpus, reason))
 
     def _reserve(self, step: QueuedStep, node: str) -> None:
@@ -198,6 +301,7 @@ class _Decision:
         self._reservations.append(Reservation(step.job_id, step.step, node, step.gpus))
         self._reserved_nodes.add(node)
         self._blocked_reasons.clear()
+        self._borrow_reasons.clear()
         self._backfill_note = " while " + " and ".join(
             f"{r.job_id}/{r.step} waits for {r.node}" for r in self._reservations
         )

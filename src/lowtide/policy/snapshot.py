@@ -29,7 +29,8 @@ class RunningStep:
     last_checkpoint_at: float | None = None
     min_runtime: float = 0.0
     restart_seconds: float = 60.0
-    stopping: bool = False  # notice given (cancel or preemption): its GPUs come back soon
+    stopping: bool = False  # notice given (cancel, preemption, timeout): its GPUs come back soon
+    owner: str = ""  # who submitted the job (per-user limits of CPU-only steps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,7 @@ class QueuedStep:
     eligible_at: float = 0.0  # retry backoff: not before this time
     preempted: bool = False  # requeued after preemption: goes to the head of its priority class
     retry_note: str = ""  # e.g. "attempt 2 of 3", shown in the waiting reason during backoff
+    owner: str = ""  # who submitted the job (per-user limits of CPU-only steps)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -66,3 +68,14 @@ class Snapshot:
     @property
     def total_gpus(self) -> int:
         return sum(n.gpu_count for n in self.nodes)
+
+    def cpu_steps_running(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Running CPU-only steps (stopping ones too: their processes still run), counted per
+        node and per owner: what `scheduler.max_cpu_steps_per_node` and `..._per_user` limit."""
+        by_node: dict[str, int] = {}
+        by_owner: dict[str, int] = {}
+        for step in self.running:
+            if not step.gpus:
+                by_node[step.node] = by_node.get(step.node, 0) + 1
+                by_owner[step.owner] = by_owner.get(step.owner, 0) + 1
+        return by_node, by_owner
