@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: venv demo test test-fast lint fmt bench clean prometheus
+.PHONY: venv demo test test-fast lint fmt bench clean prometheus step-user
 
 venv: $(STAMP)
 
@@ -16,7 +16,13 @@ $(STAMP): pyproject.toml
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
-demo: venv
+# Steps run as one uid per job in this user's group when lowtide runs as root (executor.run_as,
+# docs/architecture.md §6.4); created when we are root and it is missing.
+step-user:
+	@[ "$$(id -u)" != 0 ] || id -u lowtide-step >/dev/null 2>&1 || \
+	  useradd --system --no-create-home --shell /usr/sbin/nologin lowtide-step
+
+demo: venv step-user
 	bash scripts/demo.sh
 
 lint: venv
@@ -32,7 +38,7 @@ prometheus:
 	   (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null)); } || \
 	  echo "note: prometheus is not installed; its integration tests will skip (CI installs it)"
 
-test: lint prometheus
+test: lint prometheus step-user
 	$(BIN)/pytest -q
 
 test-fast: venv

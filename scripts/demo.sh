@@ -15,6 +15,22 @@ export LOWTIDE_CONFIG="$PWD/examples/lowtide.yaml"
 export LOWTIDE_STATE_DIR="$DEMO_DIR/state"
 export LOWTIDE_API__PORT="$PORT"
 export LOWTIDE_TICK_SECONDS=0.5
+# As root, steps run isolated: one uid per job in the lowtide-step group (`make demo` creates the
+# user), their artifacts outside the state dir, which steps cannot enter (docs/architecture.md §6.4).
+if [ "$(id -u)" = 0 ] && id -u lowtide-step >/dev/null 2>&1; then
+  if python - <<'PY'
+import pathlib, sys
+import lowtide
+dirs = [pathlib.Path(sys.executable).resolve().parent, pathlib.Path(sys.prefix), pathlib.Path(lowtide.__file__).parent]
+sys.exit(0 if all(p.stat().st_mode & 0o001 for d in dirs for p in [d, *d.parents]) else 1)
+PY
+  then
+    export LOWTIDE_EXECUTOR__RUN_AS=lowtide-step
+    export LOWTIDE_ARTIFACT_ROOT="$DEMO_DIR/artifacts"
+  else
+    echo "note: this Python lies where other users cannot reach it; steps run as root (not isolated)"
+  fi
+fi
 
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 
@@ -93,7 +109,9 @@ svc.update(base_port=base, gateway_port=gw)
 svc["autoscale"].update(scale_up_window="5s", scale_down_stabilization="15s")
 yaml.safe_dump(cfg, open(out, "w"))
 PY
-unset LOWTIDE_STATE_DIR LOWTIDE_API__PORT LOWTIDE_TICK_SECONDS
+# Part two's trainers read another job's outputs (the prepared data): that needs one uid for all
+# jobs, so it runs without executor.run_as (cross-job inputs are private under run_as).
+unset LOWTIDE_STATE_DIR LOWTIDE_API__PORT LOWTIDE_TICK_SECONDS LOWTIDE_EXECUTOR__RUN_AS LOWTIDE_ARTIFACT_ROOT
 export LOWTIDE_CONFIG="$DEMO_DIR/inference.yaml"
 
 say "lowtide up with an inference service: 1..3 emulated vLLM replicas of 2 GPUs, gateway on :$GW"

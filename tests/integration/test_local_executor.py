@@ -25,7 +25,7 @@ from typing import TypeVar
 import psutil
 import pytest
 
-from lowtide.adapters.container import ContainerRuntime
+from lowtide.adapters.container import ADD_HOST_GATEWAY, ContainerRuntime
 from lowtide.adapters.local_executor import TAG_ENV, LocalExecutor
 from lowtide.control.executor_port import (
     AdoptOutcome,
@@ -288,7 +288,7 @@ def test_the_step_sees_its_contract_and_its_output_is_logged(
     assert seen["LOWTIDE_STEP"] == "train"  # the request wins over the control plane's environment
     assert seen["LOWTIDE_ATTEMPT"] == "1"
     assert seen["LOWTIDE_NOTICE_FILE"] == req.notice_path
-    assert seen["FROM_CONTROL_PLANE"] == "yes"
+    assert "FROM_CONTROL_PLANE" not in seen  # a clean environment: only the allowlist passes
     assert seen["cwd"] == req.work_dir
     # The step shares the shim's group, and the shim leads its own session.
     assert seen["pgid"] == identity.pid == seen["sid"]
@@ -715,8 +715,8 @@ def test_container_step_runs_through_the_client_and_is_killed_by_name(env: Env) 
         return [json.loads(line) for line in record.read_text().splitlines()]
 
     name = calls()[0][calls()[0].index("--name") + 1]
-    assert calls()[0][:6] == ["run", "--rm", "--name", name, "--init", "--gpus"]
-    assert calls()[0][6] == '"device=6,7"'
+    assert calls()[0][:7] == ["run", "--rm", "--name", name, "--init", ADD_HOST_GATEWAY, "--gpus"]
+    assert calls()[0][7] == '"device=6,7"'
     wait_until(lambda: ["kill", name] in calls(), what="`docker kill` at the deadline")
     assert "cvd=0,1" in Path(req.log_path).read_text()
 

@@ -9,13 +9,15 @@ from dataclasses import replace
 import pytest
 
 from lowtide.adapters.container import (
+    ADD_HOST_GATEWAY,
     ContainerRuntime,
     RuntimeNotFoundError,
+    container_api_url,
     container_command,
     container_name,
     resolve_runtime,
 )
-from lowtide.control.executor_port import ExecutorError, LaunchRequest
+from lowtide.control.executor_port import ExecutorError, LaunchRequest, RunAs
 
 DOCKER = ContainerRuntime(engine="docker", binary="/usr/bin/docker")
 PODMAN = ContainerRuntime(engine="podman", binary="/usr/bin/podman")
@@ -51,13 +53,14 @@ TAIL = [
     "-e", "LOWTIDE_STEP",
     "-e", "SECRET_TOKEN",
 ]  # fmt: skip
+IDENTITY = ["-e", f"HOME={WORK}", "-e", f"TMPDIR={WORK}/tmp"]
 MOUNTS = [
     "-v", f"{WORK}:{WORK}",
     "-v", "/srv/lowtide/artifacts/j1/train/checkpoints:/srv/lowtide/artifacts/j1/train/checkpoints",
     "-w", WORK,
     "registry/train:3.0", "python", "train.py", "--lr", "2e-5",
 ]  # fmt: skip
-HEAD = ["run", "--rm", "--name", "lowtide-x-a7", "--init"]
+HEAD = ["run", "--rm", "--name", "lowtide-x-a7", "--init", ADD_HOST_GATEWAY]
 
 
 @pytest.mark.parametrize(
@@ -91,6 +94,7 @@ def test_exact_argv(
         *gpu_flags,
         *TAIL,
         "-e", f"CUDA_VISIBLE_DEVICES={visible}",
+        *IDENTITY,
         *MOUNTS,
     ]  # fmt: skip
 
@@ -143,3 +147,46 @@ def test_resolve_runtime_finds_the_installed_client() -> None:
 def test_resolve_runtime_rejects_unknown_engines() -> None:
     with pytest.raises(ValueError, match="unknown container runtime 'containerd'"):
         resolve_runtime("containerd")
+
+
+STEP_USER = RunAs(uid=1_500_000_042, gid=998, user="lowtide-step")
+
+
+def test_run_as_runs_the_container_as_the_jobs_uid_and_the_step_users_group() -> None:
+    argv = container_command(DOCKER, request((), run_as=STEP_USER), name="lowtide-x-a7")
+    assert argv[: 1 + len(HEAD) + 2] == [DOCKER.binary, *HEAD, "--user", "1500000042:998"]
+    assert argv[argv.index(f"TMPDIR={WORK}/tmp") + 1 :][:4] == [
+        "-e", "USER=lowtide-step", "-e", "LOGNAME=lowtide-step",
+    ]  # fmt: skip
+
+
+def test_without_run_as_a_given_default_user_is_used_and_else_none() -> None:
+    argv = container_command(PODMAN, request(()), name="n", default_user=(1000, 1000))
+    assert argv[argv.index("--user") + 1] == "1000:1000"
+    assert "--user" not in container_command(PODMAN, request(()), name="n")
+
+
+@pytest.mark.parametrize(
+    ("url", "inside"),
+    [
+        ("http://127.0.0.1:8470", "http://host.docker.internal:8470"),
+        ("http://localhost:9000/base", "http://host.docker.internal:9000/base"),
+        ("http://[::1]:8470", "http://host.docker.internal:8470"),
+        ("https://lowtide.example.org", "https://lowtide.example.org"),
+        ("http://10.0.0.5:8470", "http://10.0.0.5:8470"),
+    ],
+)
+def test_a_loopback_api_url_is_rewritten_to_the_host_gateway(url: str, inside: str) -> None:
+    assert container_api_url(url) == inside
+    env = {"LOWTIDE_API_URL": url, "LOWTIDE_STEP": "train"}
+    argv = container_command(DOCKER, request((), env=env), name="n")
+    assert f"LOWTIDE_API_URL={inside}" in argv
+    assert "LOWTIDE_API_URL" not in argv  # given by value (not secret), not by name
+    assert ADD_HOST_GATEWAY in argv
+
+
+def test_the_specs_own_home_wins_over_the_work_dir() -> None:
+    env = {"HOME": "/data/home", "LOWTIDE_STEP": "train"}
+    argv = container_command(DOCKER, request((), env=env), name="n")
+    assert f"HOME={WORK}" not in argv
+    assert argv[argv.index("HOME") - 1] == "-e"  # passed by name like the rest of the spec's env

@@ -24,6 +24,17 @@ With an `adapters.exit_watch.ExitWatcher` the loop hears of a shim's end at once
 The process mechanics (shim command line, pid + start time identity, group signalling, tag
 sweeps, atomic records) are shared with `adapters.local_services` through `adapters.supervision`.
 
+Isolation (docs/architecture.md §6.4, `adapters.step_identity`): a step's environment is built
+from nothing (allowlist + contract + HOME/USER/LOGNAME/TMPDIR + tag), never lowtide's own. With
+``LaunchRequest.run_as`` (lowtide is root) the executor first makes the attempt's work dir (cwd,
+TMPDIR, exit status) and the job's local artifact dir private to the job's uid (0700; their
+shared parents 0711), then starts the shim as that uid and group with no supplementary groups and
+umask 077; the log stays lowtide's, opened here and inherited. Container steps keep the client
+as lowtide's user (it needs the engine) and run the container as the job's uid (``--user``).
+Files lowtide writes into a step's directory (notice, shim record) never follow a symlink the
+step planted. A container attempt whose client exits 125 (the engine failed, not the step)
+reports ``AttemptExit.infrastructure`` with the client's last log line.
+
 Must not: decide retries or deadlines, touch the store, read configuration.
 """
 
@@ -40,18 +51,32 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import psutil
 
-from lowtide.adapters.container import ContainerRuntime, container_command, container_name
+from lowtide.adapters.container import (
+    ENGINE_CLIENT_ENV,
+    ENGINE_FAILURE_EXIT,
+    ContainerRuntime,
+    container_command,
+    container_name,
+)
 from lowtide.adapters.exit_watch import ExitWatcher
+from lowtide.adapters.step_identity import (
+    TMP_SUBDIR,
+    current_user,
+    is_regular_file,
+    make_shared_dir,
+    own_tree,
+    relative_below,
+    safe_write_json,
+    step_environment_for,
+)
 from lowtide.adapters.supervision import (
     SHIM_MODULE,
     START_TIME_TOLERANCE,
     ShimProcess,
-    atomic_write_json,
-    child_env,
     command_problem,
     find_shim,
     identify_child,
@@ -62,9 +87,8 @@ from lowtide.adapters.supervision import (
     read_exit_record,
     read_shim_file,
     reap_exited,
-    record_shim,
     shim_argv,
-    start_shim,
+    start_shim_as,
 )
 from lowtide.control.executor_port import (
     AdoptOutcome,
@@ -74,6 +98,7 @@ from lowtide.control.executor_port import (
     ExecutorError,
     LaunchRequest,
     ProcessIdentity,
+    RunAs,
 )
 
 log = logging.getLogger(__name__)
@@ -106,6 +131,7 @@ class _Watch(ShimProcess):
     attempt_id: int
     notice_path: str
     container: str | None  # container name when run through a runtime
+    log_path: str = ""
     deadline: float | None = None
     killed_at_deadline: bool = False
 
@@ -118,7 +144,11 @@ class _Status:
 
 
 def _read_status(path: str) -> _Status | None:
-    """The recorded exit status, or None if the file is missing or not a valid status."""
+    """The recorded exit status, or None if the file is missing or not a valid status. The step
+    owns the directory: anything but a regular file (a FIFO would block us) is ignored."""
+    if Path(path).is_symlink() or (Path(path).exists() and not is_regular_file(path)):
+        log.warning("ignored exit file %s: not a regular file", path)
+        return None
     record = read_exit_record(path, require_time=True)
     if record is None or record.ended_at is None:
         return None
@@ -148,6 +178,47 @@ def _classify_os_error(exc: OSError, what: str) -> ExecutorError:
     return ExecutorError(f"{what}: {exc}", temporary=temporary)
 
 
+def _last_log_line(log_path: str, max_bytes: int = 8192) -> str:
+    """The last line the attempt's command wrote (lowtide's own ``=== lowtide`` lines skipped),
+    printable and at most 300 characters; "" when there is none."""
+    try:
+        with Path(log_path).open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    for line in reversed(tail.splitlines()):
+        text = "".join(c if c.isprintable() else " " for c in line).strip()
+        if text and not text.startswith("=== lowtide"):
+            return text[:300]
+    return ""
+
+
+def _write_record(path: Path, payload: dict[str, object], who: str) -> None:
+    """The shim file, written without following a link the step may have planted (an aid to a
+    later adoption only: failing to write it is logged)."""
+    try:
+        safe_write_json(path, payload)
+    except OSError as exc:
+        log.warning("%s: cannot write %s: %s", who, path.name, exc)
+
+
+def _prepare_private_dirs(req: LaunchRequest, run_as: RunAs) -> None:
+    """Make the attempt's work dir and the job's local artifact dir the job uid's own (0700),
+    their shared parents lowtide's (0711). See `adapters.step_identity`."""
+    work_dir = Path(req.work_dir)
+    # <work_root>/jobs/<job>/<step>/attempt-N: the three levels above are shared.
+    for shared in (work_dir.parents[2], work_dir.parents[1], work_dir.parents[0]):
+        make_shared_dir(shared)
+    own_tree(work_dir, [PurePosixPath(TMP_SUBDIR)], run_as)
+    if req.job_dir is not None:
+        job_dir = Path(req.job_dir.removeprefix("file://"))
+        make_shared_dir(job_dir.parent)
+        below = [rel for m in req.mounts if (rel := relative_below(m, str(job_dir))) is not None]
+        own_tree(job_dir, below, run_as)
+
+
 def _check_command(command: Sequence[str], env: dict[str, str], cwd: str) -> None:
     """Fail the launch now (permanently) when the command cannot be executed at all."""
     if not command:
@@ -167,6 +238,7 @@ class LocalExecutor:
         runtime: ContainerRuntime | None = None,
         python: str = sys.executable,
         watcher: ExitWatcher | None = None,
+        env_allowlist: Sequence[str] = (),
     ) -> None:
         if not instance_id or any(c.isspace() for c in instance_id):
             raise ValueError(f"instance id must be non-empty without spaces: {instance_id!r}")
@@ -177,6 +249,8 @@ class LocalExecutor:
         self._reap_later: list[subprocess.Popen[bytes]] = []  # exited shims and `runtime kill`s
         # Makes the loop poll as soon as a shim ends (its GPUs are free), not at the next tick.
         self._watcher = watcher
+        self._allowlist = tuple(env_allowlist)
+        self._user = current_user()
 
     # -- launch ---------------------------------------------------------------------------
 
@@ -184,9 +258,20 @@ class LocalExecutor:
         if request.attempt_id in self._watched:
             raise ExecutorError(f"attempt {request.attempt_id} is already running", temporary=False)
         req = replace(request, work_dir=str(Path(request.work_dir).absolute()))
-        # Never let a step inherit the control plane's view of the GPUs (inference's among them).
-        env = child_env(req.env, req.gpus)
-        env[TAG_ENV] = _tag(self.instance_id, req.attempt_id)
+        run_as = req.run_as
+        if run_as is not None and os.geteuid() != 0:
+            raise ExecutorError("running steps as another user needs lowtide to run as root", temporary=False)
+        # Built from nothing: never lowtide's environment, nor its view of the GPUs.
+        env = step_environment_for(
+            req.env,
+            gpus=req.gpus,
+            allowlist=self._allowlist,
+            home=req.work_dir,
+            tmp_dir=str(Path(req.work_dir) / TMP_SUBDIR),
+            user=run_as.user if run_as is not None else self._user,
+            tag=(TAG_ENV, _tag(self.instance_id, req.attempt_id)),
+            keep=ENGINE_CLIENT_ENV if self._runtime is not None else (),
+        )
         name: str | None = None
         if self._runtime is not None:
             if not os.access(self._runtime.binary, os.X_OK):
@@ -196,7 +281,8 @@ class LocalExecutor:
                 )
             name = container_name(self.instance_id, req.attempt_id)
             try:
-                command = container_command(self._runtime, req, name=name)
+                default_user = (os.geteuid(), os.getegid()) if os.geteuid() != 0 else None
+                command = container_command(self._runtime, req, name=name, default_user=default_user)
             except ValueError as exc:
                 raise ExecutorError(str(exc), temporary=False) from exc
         else:
@@ -206,7 +292,13 @@ class LocalExecutor:
         work_dir = Path(req.work_dir)
         exit_file = str(work_dir / EXIT_FILE)
         argv = shim_argv(self._python, self.instance_id, req.attempt_id, exit_file, command)
+        # The shim runs as the job's uid for a process step; a container client stays ours.
+        shim_user = run_as if run_as is not None and self._runtime is None else None
         try:
+            if run_as is not None:
+                _prepare_private_dirs(req, run_as)
+            else:
+                (work_dir / TMP_SUBDIR).mkdir(parents=True, exist_ok=True)
             for directory in {work_dir, Path(req.log_path).parent, Path(req.notice_path).parent}:
                 directory.mkdir(parents=True, exist_ok=True)
             # Leftovers of an earlier launch of this attempt would be read as this run's.
@@ -218,7 +310,16 @@ class LocalExecutor:
                 f"(id {req.attempt_id}) on {req.node} gpus [{','.join(map(str, req.gpus))}]: "
                 f"{shlex.join(command)}\n"
             )
-            popen = start_shim(argv, cwd=req.work_dir, env=env, log_path=req.log_path, header=header)
+            popen = start_shim_as(
+                argv,
+                cwd=req.work_dir,
+                env=env,
+                log_path=req.log_path,
+                header=header,
+                user=shim_user.uid if shim_user is not None else None,
+                group=shim_user.gid if shim_user is not None else None,
+                umask=0o077 if shim_user is not None else -1,
+            )
         except FileNotFoundError as exc:
             raise ExecutorError(f"cannot start attempt {req.attempt_id}: {exc}", temporary=False) from exc
         except OSError as exc:
@@ -228,10 +329,15 @@ class LocalExecutor:
             identity = identify_child(popen, self._reap_later)
         except psutil.Error as exc:
             raise ExecutorError(f"cannot read start time of pid {popen.pid}: {exc}", temporary=True) from exc
-        record_shim(
+        _write_record(
             work_dir / SHIM_FILE,
-            identity,
-            {"instance": self.instance_id, "attempt_id": req.attempt_id, "container": name},
+            {
+                "pid": identity.pid,
+                "started_at": identity.started_at,
+                "instance": self.instance_id,
+                "attempt_id": req.attempt_id,
+                "container": name,
+            },
             who=f"attempt {req.attempt_id}",
         )
         self._watched[req.attempt_id] = _Watch(
@@ -241,6 +347,7 @@ class LocalExecutor:
             notice_path=req.notice_path,
             popen=popen,
             container=name,
+            log_path=req.log_path,
         )
         self._watch_exit(req.attempt_id, identity)
         return identity
@@ -264,7 +371,7 @@ class LocalExecutor:
             "given_at": now,
         }
         try:
-            atomic_write_json(watch.notice_path, notice)
+            safe_write_json(watch.notice_path, notice)  # the step may own the directory
         except OSError as exc:
             # SIGTERM is the notice that matters; the file only carries the deadline.
             log.warning("attempt %s: cannot write notice %s: %s", attempt_id, watch.notice_path, exc)
@@ -355,6 +462,7 @@ class LocalExecutor:
                 signal=status.signal,
                 ended_at=status.ended_at,
                 killed_at_deadline=watch.killed_at_deadline,
+                infrastructure=self._engine_failure(watch.container, status.exit_code, watch.log_path),
             )
         sig: int | None = -returncode if returncode is not None and returncode < 0 else None
         if sig is None and watch.killed_at_deadline:
@@ -369,6 +477,13 @@ class LocalExecutor:
             ended_at=now,
             killed_at_deadline=watch.killed_at_deadline,
         )
+
+    def _engine_failure(self, container: str | None, exit_code: int | None, log_path: str) -> str | None:
+        """Why a container attempt's end is the engine's fault (exit 125), else None."""
+        if self._runtime is None or container is None or exit_code != ENGINE_FAILURE_EXIT:
+            return None
+        said = _last_log_line(log_path) if log_path else ""
+        return f"container engine failed (exit {ENGINE_FAILURE_EXIT})" + (f": {said}" if said else "")
 
     # -- adoption -------------------------------------------------------------------------
 
@@ -401,6 +516,7 @@ class LocalExecutor:
                     notice_path=request.notice_path,
                     popen=None,
                     container=container,
+                    log_path=str(work_dir / "log"),
                     deadline=None if resend else request.stop_deadline,
                 )
                 self._watched[request.attempt_id] = watch
@@ -419,7 +535,13 @@ class LocalExecutor:
             return AdoptResult(AdoptOutcome.LOST, identity=known_identity)
         return AdoptResult(
             AdoptOutcome.EXITED,
-            exit=AttemptExit(request.attempt_id, status.exit_code, status.signal, status.ended_at),
+            exit=AttemptExit(
+                request.attempt_id,
+                status.exit_code,
+                status.signal,
+                status.ended_at,
+                infrastructure=self._engine_failure(container, status.exit_code, str(work_dir / "log")),
+            ),
             identity=known_identity,
         )
 

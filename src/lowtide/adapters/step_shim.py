@@ -43,11 +43,15 @@ def _remember(signum: int, _frame: FrameType | None) -> None:
 
 
 def _write_exit_file(path: str, exit_code: int | None, sig: int | None) -> None:
-    """Write the status atomically so a reader never sees half a file."""
+    """Write the status atomically so a reader never sees half a file. The temporary file is
+    created with O_EXCL | O_NOFOLLOW: the step may own the directory (and, in a container, run
+    as another uid than this shim), so a symlink it planted there must never be followed."""
     tmp = Path(f"{path}.tmp.{os.getpid()}")
     payload = {"exit_code": exit_code, "signal": sig, "ended_at": time.time()}
     try:
-        with tmp.open("w", encoding="utf-8") as f:
+        tmp.unlink(missing_ok=True)  # removing a planted link does not follow it
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(payload, f)
             f.flush()
             os.fsync(f.fileno())  # the status must survive a machine crash as well as ours

@@ -7,6 +7,9 @@ credentials) apply to the artifact root's protocol. Must not: decide what a file
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,6 +17,19 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from lowtide.domain.layout import is_remote
+
+
+def _read_local(path: str, limit: int, uri: str) -> bytes:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError(f"{uri} is a symbolic link; write the file itself") from None
+        raise
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+            raise ValueError(f"{uri} is not a regular file")
+        return fh.read(limit)
 
 
 class FsspecArtifacts:
@@ -33,10 +49,17 @@ class FsspecArtifacts:
         fs.makedirs(path, exist_ok=True)
 
     def read_text(self, uri: str, *, max_bytes: int) -> str | None:
+        """A small text file (a step's ``LATEST``). A local one lies in a directory the step owns
+        (docs/architecture.md §6.4), so it is opened without following a symlink and read only
+        if it is a regular file: lowtide (root) must not read its own secrets through a step's
+        link, nor block on a FIFO. Raises ValueError for anything else."""
         fs, path = self._fs(uri)
         try:
-            with fs.open(path, "rb") as fh:
-                data: bytes = fh.read(max_bytes + 1)
+            if is_remote(uri):
+                with fs.open(path, "rb") as fh:
+                    data: bytes = fh.read(max_bytes + 1)
+            else:
+                data = _read_local(path, max_bytes + 1, uri)
         except FileNotFoundError:
             return None
         if len(data) > max_bytes:

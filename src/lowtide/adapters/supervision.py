@@ -391,3 +391,39 @@ def kill_tagged(name: str, select: Callable[[str], K | None]) -> list[tuple[psut
             proc.kill()  # psutil refuses if the pid was reused since it was listed
             hit.append((proc, key))
     return hit
+
+
+def start_shim_as(
+    argv: Sequence[str],
+    *,
+    cwd: str | Path,
+    env: Mapping[str, str],
+    log_path: str,
+    header: str,
+    user: int | None,
+    group: int | None,
+    umask: int = -1,
+) -> subprocess.Popen[bytes]:
+    """`start_shim` for a step that may run as another user: the log is opened by this process
+    (never following a symlink, mode 0640) and inherited as stdout/stderr; with `user`, the
+    child runs as that uid and `group`, with no supplementary groups (``extra_groups=[]``) and
+    `umask` (Python docs, ``subprocess.Popen``: needs privilege). Raises OSError."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+    with os.fdopen(fd, "ab") as logf:
+        logf.write(header.encode())
+        logf.flush()
+        identity: dict[str, Any] = (
+            {"user": user, "group": group, "extra_groups": []} if user is not None else {}
+        )
+        return subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            close_fds=True,
+            umask=umask,
+            **identity,
+        )

@@ -23,6 +23,35 @@ class ExecutorError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class RunAs:
+    """The Unix identity an attempt runs as (docs/architecture.md §6.4): one uid per job, the
+    operator's step user's primary group, no supplementary groups."""
+
+    uid: int
+    gid: int
+    user: str  # the configured step user's name (USER/LOGNAME of the step)
+
+
+#: How many job uids one installation may hand out above `JobUsers.uid_base` (config checks the range).
+JOB_UID_SPAN = 2**28
+
+
+@dataclass(frozen=True, slots=True)
+class JobUsers:
+    """`executor.run_as` resolved once at start-up: uid = `uid_base` + the job's serial."""
+
+    user: str
+    gid: int
+    uid_base: int
+
+    def for_job(self, serial: int) -> RunAs:
+        """The identity of a job's steps. Raises ValueError when the serial is out of range."""
+        if not 0 <= serial < JOB_UID_SPAN:
+            raise ValueError(f"job serial {serial} is outside 0..{JOB_UID_SPAN - 1}; no uid left for it")
+        return RunAs(uid=self.uid_base + serial, gid=self.gid, user=self.user)
+
+
+@dataclass(frozen=True, slots=True)
 class LaunchRequest:
     attempt_id: int
     job_id: str
@@ -37,6 +66,10 @@ class LaunchRequest:
     log_path: str  # local file receiving stdout and stderr
     notice_path: str  # local file written when notice is given (LOWTIDE_NOTICE_FILE)
     mounts: tuple[str, ...] = ()  # local paths a container must see at the same path
+    #: Run as this identity (None: as the control plane's user); see docs/architecture.md §6.4.
+    run_as: RunAs | None = None
+    #: The job's local artifact dir (outputs, checkpoints), private to `run_as`; None if remote.
+    job_dir: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +87,9 @@ class AttemptExit:
     signal: int | None
     ended_at: float
     killed_at_deadline: bool = False  # we sent SIGKILL because the grace deadline passed
+    #: Set when the attempt ended because the machinery failed, not the step (a container engine's
+    #: exit 125): the reason. Such an exit uses no retry (`policy.outcomes.classify_exit`).
+    infrastructure: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
