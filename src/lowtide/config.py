@@ -10,6 +10,7 @@ Must not: open databases, discover GPUs or start anything (NVML discovery lives 
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from pathlib import Path
@@ -21,6 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from lowtide.domain.services import AutoscaleTargets, LendingPolicy, ServiceSpec, TimeWindow
+from lowtide.policy.fairshare import FairSharePolicy
+from lowtide.policy.scheduler import SchedulerPolicy
 
 DEFAULT_CONFIG_FILE = "lowtide.yaml"
 _NAME_RULE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
@@ -82,6 +85,24 @@ class ApiConfig(_Strict):
     port: int = Field(default=8470, ge=0, le=65535)
     #: The address steps and the CLI use to reach the API (defaults to http://host:port).
     public_url: str | None = None
+    #: Web origins (``https://dash.example.org``) whose pages may call the API from a browser
+    #: (CORS). Empty (the default): no CORS headers at all, so no other site's page can read it.
+    cors_origins: list[str] = Field(default_factory=list)
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, v: list[str]) -> list[str]:
+        for i, origin in enumerate(v):
+            if origin == "*" or not re.fullmatch(r"https?://[^/\s*]+", origin):
+                raise ValueError(
+                    f"[{i}]: {origin!r} is not an origin: give scheme://host[:port] (no path, no '*')"
+                )
+        return v
+
+    @property
+    def is_loopback(self) -> bool:
+        """True when the API listens on a loopback address only (127.0.0.0/8, ::1, localhost)."""
+        return is_loopback_host(self.host)
 
     @property
     def url(self) -> str:
@@ -91,7 +112,29 @@ class ApiConfig(_Strict):
         return f"http://{host}:{self.port}"
 
 
+def is_loopback_host(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost: reachable from this machine only."""
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def auth_exposure_problem(settings: Settings) -> str | None:
+    """Why these settings expose an API without auth, or None: auth may be off only while the API
+    listens on loopback. Checked when settings load and again by `wiring.serve` (after `--host`)."""
+    if settings.auth.enabled or settings.api.is_loopback:
+        return None
+    return (
+        f"auth.enabled: false is allowed only with a loopback api.host (127.0.0.1, ::1, localhost), "
+        f"not {settings.api.host!r}: without auth every client that reaches the API acts as admin"
+    )
+
+
 class AuthConfig(_Strict):
+    #: False: no tokens, every request acts as the local admin; only with a loopback `api.host`.
     enabled: bool = True
     #: Where the embedded mode stores the admin token it creates on first start (mode 0600).
     admin_token_file: str | None = None
@@ -101,6 +144,17 @@ class SchedulerConfig(_Strict):
     fair_share_half_life: float = 6 * 3600.0
     team_weights: dict[str, float] = Field(default_factory=dict)
     max_reservations: int = Field(default=1, ge=0)
+    #: Walltime of a step whose spec sets no `timeout` (None: no limit; `policy.walltime`).
+    default_step_timeout: float | None = None
+    #: CPU-only steps (`gpus: 0`) running at once per node: "auto" = 2 × this host's CPUs
+    #: (computed by wiring), None = no limit.
+    max_cpu_steps_per_node: int | Literal["auto"] | None = "auto"
+    #: CPU-only steps running at once per user (the jobs' owner); None = no limit.
+    max_cpu_steps_per_user: int | None = Field(default=None, ge=1)
+    #: Steps a job may have (checked at submit and validate).
+    max_steps_per_job: int = Field(default=1000, ge=1)
+    #: Nominal GPUs per team; beyond it a team only borrows idle GPUs (teams not named: no quota).
+    team_quotas: dict[str, int] = Field(default_factory=dict)
 
     @field_validator("fair_share_half_life", mode="before")
     @classmethod
@@ -109,6 +163,31 @@ class SchedulerConfig(_Strict):
         if seconds <= 0:
             raise ValueError("the half-life must be positive")
         return seconds
+
+    @field_validator("default_step_timeout", mode="before")
+    @classmethod
+    def _timeout(cls, v: Any) -> float | None:
+        if v is None:
+            return None
+        seconds = parse_duration(v)
+        if seconds <= 0:
+            raise ValueError("a timeout must be positive (or null: no limit)")
+        return seconds
+
+    @field_validator("max_cpu_steps_per_node")
+    @classmethod
+    def _cpu_limit(cls, v: int | str | None) -> int | str | None:
+        if isinstance(v, int) and v < 1:
+            raise ValueError('must be at least 1 ("auto": 2 × the CPUs; null: no limit)')
+        return v
+
+    @field_validator("team_quotas")
+    @classmethod
+    def _quotas(cls, v: dict[str, int]) -> dict[str, int]:
+        for team, quota in v.items():
+            if quota < 0:
+                raise ValueError(f"team '{team}': a quota must be 0 or more GPUs")
+        return v
 
     @field_validator("team_weights")
     @classmethod
@@ -126,11 +205,53 @@ class ExecutorConfig(_Strict):
     retry_backoff_max: float = 600.0
     #: How often the loop looks for a new ``LATEST`` in each running step's checkpoint dir.
     checkpoint_poll: float = 10.0
+    #: Run steps as this Unix user's primary group, with one uid per job (`job_uid_base` + the
+    #: job's serial), so steps can read neither the state dir nor each other (needs root).
+    #: None: steps run as lowtide's own user (`lowtide up` warns). docs/architecture.md §6.4.
+    run_as: str | None = None
+    #: The first per-job uid; base + 2**28 must stay below 2**32 - 2 (uid_t, minus -1 and nobody).
+    job_uid_base: int = 1_500_000_000
+    #: Names (``NCCL_*`` globs: a trailing ``*``) passed from lowtide's environment to steps, on
+    #: top of PATH, LANG, LC_* and TZ; nothing else of it reaches a step.
+    env_allowlist: list[str] = Field(default_factory=list)
+    #: Local working dirs and logs of attempts (default: beside local artifacts, in
+    #: ``<artifact_root>/work`` with `run_as`, else ``<state_dir>/work``); with `run_as` it must
+    #: lie outside the state dir, which steps cannot enter.
+    work_root: str | None = None
 
     @field_validator("retry_backoff", "retry_backoff_max", "checkpoint_poll", mode="before")
     @classmethod
     def _duration(cls, v: Any) -> float:
         return parse_duration(v)
+
+    @field_validator("run_as")
+    @classmethod
+    def _run_as(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[a-z_][a-z0-9_.-]{0,31}\$?", v):
+            raise ValueError(f"{v!r} is not a Unix user name")
+        return v
+
+    @field_validator("job_uid_base")
+    @classmethod
+    def _uid_base(cls, v: int) -> int:
+        if v < 1000 or v + 2**28 >= 2**32 - 2:
+            raise ValueError(f"must be between 1000 and {2**32 - 3 - 2**28} (base + 2**28 uids must fit)")
+        return v
+
+    @field_validator("work_root")
+    @classmethod
+    def _work_root(cls, v: str | None) -> str | None:
+        if v is not None and not Path(v).is_absolute():
+            raise ValueError(f"{v!r} must be an absolute local path")
+        return v
+
+    @field_validator("env_allowlist")
+    @classmethod
+    def _allowlist(cls, v: list[str]) -> list[str]:
+        for i, name in enumerate(v):
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*\*?", name):
+                raise ValueError(f"[{i}]: {name!r} is not a variable name (or a name prefix ending in *)")
+        return v
 
 
 _WINDOW = re.compile(r"^\s*(\d{1,2}):(\d{2})\s*-\s*(\d{1,2}):(\d{2})\s*$")
@@ -228,7 +349,8 @@ class ServiceConfig(_Strict):
     min_safe_replicas: int | None = Field(default=None, ge=0)
     park: Literal["stop", "sleep"] = "stop"
     #: The replica command; {model}, {port}, {gpus} and {python} are filled in. Default: `vllm serve`
-    #: (with --enable-sleep-mode when park is sleep), or the emulator when `emulate: true`.
+    #: bound to 127.0.0.1 (with --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1 when park is sleep),
+    #: or the emulator when `emulate: true` (docs/vllm.md).
     command: list[str] | None = None
     #: Run lowtide's vLLM emulator instead of vLLM (machines without GPUs: demo, tests).
     emulate: bool = False
@@ -243,6 +365,12 @@ class ServiceConfig(_Strict):
     drain_timeout: float = 30.0
     #: The longest notice a research step gets when this service takes its GPUs back.
     reclaim_grace: float = 60.0
+    #: A serving replica whose own metrics fail (or freeze with requests in flight) this long, or
+    #: whose requests fail 3 times in a row at the gateway, is hung: taken out and restarted.
+    #: None: never (vLLM's /health stays 200 while its engine is stuck).
+    hung_after: float | None = 30.0
+    #: How long the gateway waits for a replica's next bytes (the first of a non-streamed answer).
+    gateway_read_timeout: float = 600.0
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
     simulation: ServiceSimulation = Field(default_factory=ServiceSimulation)
@@ -260,11 +388,24 @@ class ServiceConfig(_Strict):
         "expected_wake",
         "drain_timeout",
         "reclaim_grace",
+        "gateway_read_timeout",
         mode="before",
     )
     @classmethod
     def _duration(cls, v: Any) -> float:
         return parse_duration(v)
+
+    @field_validator("hung_after", mode="before")
+    @classmethod
+    def _optional_duration(cls, v: Any) -> float | None:
+        return None if v is None else parse_duration(v)
+
+    @field_validator("hung_after", "gateway_read_timeout")
+    @classmethod
+    def _positive(cls, v: float | None) -> float | None:
+        if v is not None and v <= 0:
+            raise ValueError("must be a positive duration")
+        return v
 
     @model_validator(mode="after")
     def _replicas(self) -> ServiceConfig:
@@ -353,6 +494,51 @@ class AccountingConfig(_Strict):
         return v
 
 
+class SecretSourceConfig(_Strict):
+    """Where a secret's value is read at launch: a `file` (an absolute path, read whole, one
+    trailing newline dropped) or `env`, a variable of lowtide's own environment."""
+
+    file: str | None = None
+    env: str | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> SecretSourceConfig:
+        if (self.file is None) == (self.env is None):
+            raise ValueError("give exactly one of file: PATH or env: VARIABLE")
+        if self.file is not None and not Path(self.file).is_absolute():
+            raise ValueError(f"file: {self.file!r} must be an absolute path")
+        if self.env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.env):
+            raise ValueError(f"env: {self.env!r} is not a variable name")
+        return self
+
+
+class SecretConfig(_Strict):
+    """One secret jobs may name by reference (`secrets:` in a spec; docs/architecture.md §11):
+    the variable it fills in the step's environment, the teams whose jobs may use it ("*": all),
+    and its source. Only its name is ever stored or shown; the value is read at launch."""
+
+    env: str
+    teams: list[str] = Field(min_length=1)
+    source: SecretSourceConfig
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
+            raise ValueError(f"{v!r} is not a variable name (letters, digits and '_')")
+        if v.upper().startswith("LOWTIDE_") or v == "CUDA_VISIBLE_DEVICES":
+            raise ValueError(f"{v!r} is reserved: lowtide sets it (the step contract)")
+        return v
+
+    @field_validator("teams")
+    @classmethod
+    def _teams(cls, v: list[str]) -> list[str]:
+        for i, team in enumerate(v):
+            if team != "*" and not _NAME_RULE.fullmatch(team):
+                raise ValueError(f"[{i}]: {team!r} is not a team name (or '*' for every team)")
+        return v
+
+
 class Settings(BaseSettings):
     """Everything a lowtide installation is configured with."""
 
@@ -379,6 +565,16 @@ class Settings(BaseSettings):
     services: list[ServiceConfig] = Field(default_factory=list)
     lending: LendingConfig = Field(default_factory=LendingConfig)
     accounting: AccountingConfig = Field(default_factory=AccountingConfig)
+    #: Secrets jobs may name by reference, by name (docs/architecture.md §11).
+    secrets: dict[str, SecretConfig] = Field(default_factory=dict)
+
+    @field_validator("secrets")
+    @classmethod
+    def _secret_names(cls, v: dict[str, SecretConfig]) -> dict[str, SecretConfig]:
+        for name in v:
+            if not _NAME_RULE.fullmatch(name):
+                raise ValueError(f"{name!r} is not a valid secret name (lowercase letters, digits, '-')")
+        return v
 
     @field_validator("tick_seconds", mode="before")
     @classmethod
@@ -387,6 +583,13 @@ class Settings(BaseSettings):
         if not 0.05 <= seconds <= 3600:
             raise ValueError("the tick must be between 0.05 s and 1 h")
         return seconds
+
+    @model_validator(mode="after")
+    def _auth_off_only_on_loopback(self) -> Settings:
+        problem = auth_exposure_problem(self)
+        if problem:
+            raise ValueError(problem)
+        return self
 
     @model_validator(mode="after")
     def _unique_nodes(self) -> Settings:
@@ -457,11 +660,17 @@ class Settings(BaseSettings):
 
     @property
     def work_root(self) -> str:
-        """Local working directories and logs: beside the artifacts when those are local."""
+        """Local working directories and logs: `executor.work_root`, else beside the artifacts
+        when those are local (in ``<artifact_root>/work`` with `executor.run_as`: a job's
+        artifact dir belongs to its steps, so the work dirs, whose parents lowtide must own,
+        cannot be inside it; docs/architecture.md §6.4)."""
+        if self.executor.work_root:
+            return self.executor.work_root
         root = self.artifacts
         if "://" in root and not root.startswith("file://"):
             return str(self.state_path / "work")
-        return root.removeprefix("file://")
+        local = root.removeprefix("file://")
+        return f"{local.rstrip('/')}/work" if self.executor.run_as else local
 
     @property
     def admin_token_path(self) -> Path:
@@ -557,6 +766,22 @@ def service_spec(cfg: ServiceConfig) -> ServiceSpec:
             tolerance=a.tolerance,
             scale_down_tolerance=a.scale_down_tolerance,
         ),
+    )
+
+
+def scheduler_policy(settings: Settings, *, cpus_per_node: int | None) -> SchedulerPolicy:
+    """Config `scheduler:` as the scheduler's policy. `max_cpu_steps_per_node: auto` is 2 ×
+    `cpus_per_node` (wiring passes this host's CPU count; the simulator None: no limit)."""
+    cfg = settings.scheduler
+    cpu_limit = cfg.max_cpu_steps_per_node
+    if cpu_limit == "auto":
+        cpu_limit = None if cpus_per_node is None else 2 * cpus_per_node
+    return SchedulerPolicy(
+        fair_share=FairSharePolicy(half_life_s=cfg.fair_share_half_life, team_weights=dict(cfg.team_weights)),
+        max_reservations=cfg.max_reservations,
+        max_cpu_steps_per_node=cpu_limit,
+        max_cpu_steps_per_user=cfg.max_cpu_steps_per_user,
+        team_quotas=dict(cfg.team_quotas),
     )
 
 

@@ -25,7 +25,13 @@ from typing import TextIO
 import uvicorn
 from fastapi import FastAPI
 
-from lowtide.adapters.container import resolve_runtime
+from lowtide.adapters.container import (
+    ContainerRuntime,
+    RuntimeNotFoundError,
+    check_engine,
+    container_api_url,
+    resolve_runtime,
+)
 from lowtide.adapters.exit_watch import ExitWatcher
 from lowtide.adapters.gateway import GatewayRouter, GatewayServer
 from lowtide.adapters.gpu_discovery import GpuDiscoveryError, discover_gpus
@@ -33,21 +39,31 @@ from lowtide.adapters.local_executor import LocalExecutor
 from lowtide.adapters.local_services import LocalServiceManager
 from lowtide.adapters.metrics_sources import PromQLSource, ScrapeSource
 from lowtide.adapters.net import bind_tcp
+from lowtide.adapters.secrets import ConfiguredSecrets, SecretSource
+from lowtide.adapters.step_identity import current_user, resolve_job_users
 from lowtide.adapters.storage import FsspecArtifacts
 from lowtide.adapters.templates import DirectoryTemplates
 from lowtide.api.app import ApiContext, create_app
 from lowtide.api.metrics import LoopStatus
-from lowtide.config import ConfigError, ServiceConfig, Settings, lending_policy, service_spec
+from lowtide.config import (
+    ConfigError,
+    ServiceConfig,
+    Settings,
+    auth_exposure_problem,
+    lending_policy,
+    scheduler_policy,
+    service_spec,
+)
 from lowtide.control.clock import Clock, SystemClock
+from lowtide.control.executor_port import JobUsers
 from lowtide.control.inference import InferenceController, ServiceSetup
 from lowtide.control.inference_ports import MetricsSource
 from lowtide.control.loop import ControlLoop, LoopSettings
+from lowtide.control.secrets_port import SecretRule
 from lowtide.domain.gpus import Node
 from lowtide.domain.layout import ArtifactLayout
 from lowtide.policy.accounting import AccountingPolicy
-from lowtide.policy.fairshare import FairSharePolicy
 from lowtide.policy.outcomes import RetryPolicy
-from lowtide.policy.scheduler import SchedulerPolicy
 from lowtide.store.repo import Store
 
 log = logging.getLogger("lowtide")
@@ -82,6 +98,123 @@ def ensure_admin_token(store: Store, path: Path, now: float) -> str | None:
         fh.write(raw + "\n")
     path.chmod(0o600)  # in case a umask or an existing ACL widened it
     return raw
+
+
+def secret_sources(settings: Settings) -> dict[str, SecretSource]:
+    """Config `secrets:` as the adapter's sources (docs/architecture.md §11)."""
+    out = {}
+    for name, cfg in settings.secrets.items():
+        if cfg.source.file is not None:
+            out[name] = SecretSource(cfg.env, "file", cfg.source.file)
+        else:
+            assert cfg.source.env is not None  # validated by config: exactly one
+            out[name] = SecretSource(cfg.env, "env", cfg.source.env)
+    return out
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def _unreachable(target: Path) -> Path | None:
+    """The first directory above `target` (or itself) that other users cannot traverse."""
+    for directory in reversed([target, *target.parents]):
+        try:
+            mode = directory.stat().st_mode
+        except FileNotFoundError:
+            return None  # created later, by lowtide (0711)
+        if not mode & 0o001:
+            return directory
+    return None
+
+
+def job_users(settings: Settings) -> JobUsers | None:
+    """`executor.run_as` checked and resolved (docs/architecture.md §6.4); None when unset.
+    Raises ConfigError naming the setting: lowtide not root, unknown user, or a work root or
+    local artifact root the steps could not reach (or that lies inside the private state dir)."""
+    ex = settings.executor
+    if ex.run_as is None:
+        return None
+    if os.geteuid() != 0:
+        raise ConfigError(
+            f"executor.run_as: running steps as {ex.run_as!r} (one uid per job) needs lowtide to run "
+            f"as root; it runs as {current_user()!r}. Start it as root, or remove executor.run_as"
+        )
+    try:
+        users = resolve_job_users(ex.run_as, ex.job_uid_base)
+    except (LookupError, ValueError) as exc:
+        raise ConfigError(f"executor.run_as: {exc.args[0]}") from None
+    state = Path(settings.state_dir).absolute()
+    roots: list[tuple[str, Path]] = []
+    if "://" not in settings.artifacts or settings.artifacts.startswith("file://"):
+        roots.append(("artifact_root", Path(settings.artifacts.removeprefix("file://")).absolute()))
+    work = Path(settings.work_root).absolute()
+    if all(work != root for _, root in roots):
+        roots.append(("executor.work_root", work))  # remote artifacts: default <state_dir>/work
+    for what, root in roots:
+        if _inside(root, state):
+            raise ConfigError(
+                f"executor.run_as: {what} {root} lies inside state_dir {state}, which steps must not "
+                f"enter (mode 0700); set {what} to a directory outside it"
+            )
+        blocked = _unreachable(root)
+        if blocked is not None:
+            raise ConfigError(
+                f"executor.run_as: steps cannot reach {what} {root}: {blocked} is not traversable by "
+                f"other users (chmod o+x {blocked}, or choose another {what})"
+            )
+    # The step shim is this Python running lowtide's package, as the job's uid.
+    code = {
+        "the Python interpreter": Path(sys.executable).resolve().parent,
+        "the Python environment": Path(sys.prefix),
+        "lowtide's package": Path(__file__).resolve().parent,
+    }
+    for what, where in code.items():
+        blocked = _unreachable(where)
+        if blocked is not None:
+            raise ConfigError(
+                f"executor.run_as: steps cannot run {what} in {where}: {blocked} is not traversable by "
+                f"other users (install lowtide where every user can read it, or chmod o+x {blocked})"
+            )
+    return users
+
+
+def _runtime(settings: Settings) -> ContainerRuntime | None:
+    if settings.executor.runtime == "process":
+        return None
+    try:
+        return resolve_runtime(settings.executor.runtime)
+    except RuntimeNotFoundError as exc:
+        raise ConfigError(f"executor.runtime: {exc}") from None
+
+
+def preflight(settings: Settings, *, engine_timeout_s: float = 15.0) -> list[str]:
+    """What `lowtide up` checks before it says it listens: the container engine is installed and
+    answers, `executor.run_as` can be used. Raises ConfigError (the CLI exits 2); returns the
+    warnings to print (steps that can read lowtide's secrets, an API containers cannot reach)."""
+    runtime = _runtime(settings)
+    if runtime is not None:
+        problem = check_engine(runtime, engine_timeout_s)
+        if problem is not None:
+            raise ConfigError(f"executor.runtime: {runtime.engine} is not usable: {problem}")
+    warnings: list[str] = []
+    users = job_users(settings)
+    if users is None:
+        warnings.append(
+            f"steps run as lowtide's own user ({current_user()}) and can read its state dir "
+            f"({Path(settings.state_dir).absolute()}), database and tokens, and each other's files: "
+            "any user can become admin. Set executor.run_as (as root) to isolate them "
+            "(docs/architecture.md §6.4)"
+        )
+    if runtime is not None:
+        inside = container_api_url(settings.api.url)
+        if inside != settings.api.url and settings.api.host in ("127.0.0.1", "localhost", "::1"):
+            warnings.append(
+                f"container steps reach the API at {inside}, but it listens on {settings.api.host} only; "
+                "set api.host to 0.0.0.0 or the container bridge's address (e.g. 172.17.0.1), or "
+                "api.public_url to an address containers can reach"
+            )
+    return warnings
 
 
 class _LateCall:
@@ -138,20 +271,19 @@ def build(settings: Settings, *, clock: Clock | None = None) -> Embedded:
         artifacts.check()  # before the store opens: nothing to close when it fails
     except Exception as exc:  # OSError, botocore's, gcsfs'...: say which setting, and why
         raise ConfigError(f"artifact_root {settings.artifacts}: cannot be used: {exc}") from exc
+    if state.stat().st_uid == os.geteuid():
+        state.chmod(0o700)  # database, tokens: never readable by steps (docs/architecture.md §6.4)
+    users = job_users(settings)
+    runtime = _runtime(settings)
     store = Store.open(settings.database_url)
-    runtime = None if settings.executor.runtime == "process" else resolve_runtime(settings.executor.runtime)
     # A process ending or a replica answering wakes the loop at once (bound once the loop exists).
     wake = _LateCall()
     watcher = ExitWatcher(wake)
-    executor = LocalExecutor(store.instance_id(), runtime=runtime, watcher=watcher)
-    layout = ArtifactLayout(artifact_root=settings.artifacts, work_root=settings.work_root)
-    scheduler = SchedulerPolicy(
-        fair_share=FairSharePolicy(
-            half_life_s=settings.scheduler.fair_share_half_life,
-            team_weights=dict(settings.scheduler.team_weights),
-        ),
-        max_reservations=settings.scheduler.max_reservations,
+    executor = LocalExecutor(
+        store.instance_id(), runtime=runtime, watcher=watcher, env_allowlist=settings.executor.env_allowlist
     )
+    layout = ArtifactLayout(artifact_root=settings.artifacts, work_root=settings.work_root)
+    scheduler = scheduler_policy(settings, cpus_per_node=os.cpu_count() or 1)
     inference, router = build_inference(
         settings, nodes, store, store.instance_id(), watcher=watcher, on_progress=wake
     )
@@ -169,7 +301,10 @@ def build(settings: Settings, *, clock: Clock | None = None) -> Embedded:
             checkpoint_poll_s=settings.executor.checkpoint_poll,
             api_url=settings.api.url,
             storage_options=settings.artifact_options,
+            default_step_timeout_s=settings.scheduler.default_step_timeout,
+            job_users=users,
         ),
+        secrets=ConfiguredSecrets(secret_sources(settings)) if settings.secrets else None,
     )
     templates_dir = Path(settings.templates_dir)
     ctx = ApiContext(
@@ -179,12 +314,15 @@ def build(settings: Settings, *, clock: Clock | None = None) -> Embedded:
         layout=layout,
         templates=DirectoryTemplates(templates_dir) if templates_dir.is_dir() else None,
         auth_enabled=settings.auth.enabled,
+        cors_origins=tuple(settings.api.cors_origins),
         container_runtime=runtime.engine if runtime else None,
         on_change=loop.wake,
         inference=inference,
         accounting=AccountingPolicy(
             settings.accounting.price_per_gpu_hour, settings.accounting.currency, settings.accounting_timezone
         ),
+        secret_rules={n: SecretRule(c.env, tuple(c.teams)) for n, c in settings.secrets.items()},
+        max_steps_per_job=settings.scheduler.max_steps_per_job,
     )
     app = create_app(ctx)
     wake.target = loop.wake
@@ -193,8 +331,13 @@ def build(settings: Settings, *, clock: Clock | None = None) -> Embedded:
     return embedded
 
 
+#: Where replicas listen: loopback, so that the gateway is the only way in (vLLM binds every
+#: interface without --host: vllm/entrypoints/openai/api_server.py, ``(args.host or "", port)``).
+REPLICA_HOST = "127.0.0.1"
+
+
 def replica_command(cfg: ServiceConfig) -> tuple[str, ...]:
-    """The replica command template: configured, the emulator, or `vllm serve`."""
+    """The replica command template: configured, the emulator, or `vllm serve` (docs/vllm.md)."""
     if cfg.command:
         return tuple(cfg.command)
     if cfg.emulate:
@@ -204,6 +347,8 @@ def replica_command(cfg: ServiceConfig) -> tuple[str, ...]:
             "lowtide",
             "emulate",
             "vllm",
+            "--host",
+            REPLICA_HOST,
             "--port",
             "{port}",
             "--model",
@@ -213,7 +358,26 @@ def replica_command(cfg: ServiceConfig) -> tuple[str, ...]:
             *cfg.emulator_args,
         )
     sleep = ("--enable-sleep-mode",) if cfg.park == "sleep" else ()
-    return ("vllm", "serve", "{model}", "--port", "{port}", "--tensor-parallel-size", "{gpus}", *sleep)
+    return (
+        "vllm",
+        "serve",
+        "{model}",
+        "--host",
+        REPLICA_HOST,
+        "--port",
+        "{port}",
+        "--tensor-parallel-size",
+        "{gpus}",
+        *sleep,
+    )
+
+
+def replica_env(cfg: ServiceConfig) -> dict[str, str]:
+    """The replica's environment beyond the node's: with `park: sleep`, VLLM_SERVER_DEV_MODE=1 (vLLM
+    serves /sleep, /wake_up and /is_sleeping only then: vllm/envs.py, vllm/entrypoints/serve);
+    `env` from the config wins."""
+    base = {"VLLM_SERVER_DEV_MODE": "1"} if cfg.park == "sleep" else {}
+    return {**base, **cfg.env}
 
 
 def metrics_source(cfg: ServiceConfig) -> MetricsSource:
@@ -250,12 +414,14 @@ def build_inference(
             spec=service_spec(cfg),
             command=replica_command(cfg),
             base_port=cfg.base_port,
-            env=dict(cfg.env),
+            env=replica_env(cfg),
             python=sys.executable,
             health_timeout_s=cfg.startup_timeout,
             drain_timeout_s=cfg.drain_timeout,
             reclaim_grace_s=cfg.reclaim_grace,
             work_root=str(Path(settings.state_dir) / "services"),
+            hung_after_s=cfg.hung_after,
+            drain_from_metrics=cfg.gateway_port is None,  # no gateway counts its requests
         )
         for cfg in settings.services
     )
@@ -278,7 +444,9 @@ def start_gateways(settings: Settings, router: GatewayRouter | None) -> GatewayS
     for cfg in settings.services:
         if cfg.gateway_port is not None:
             try:
-                server.start(cfg.name, settings.api.host, cfg.gateway_port)
+                server.start(
+                    cfg.name, settings.api.host, cfg.gateway_port, read_timeout_s=cfg.gateway_read_timeout
+                )
             except Exception as exc:
                 server.stop()
                 raise ServeError(f"services.{cfg.name}.gateway_port: {exc}") from exc
@@ -356,6 +524,15 @@ def serve(settings: Settings, *, announce: bool = True, stop_replicas_on_exit: b
     Steps and inference replicas keep running when it stops (the next start re-adopts them), so
     restarting the control plane interrupts neither research nor serving; `stop_replicas_on_exit`
     stops the replicas instead (a laptop, a demo)."""
+    exposed = auth_exposure_problem(settings)  # again: `lowtide up --host` bypasses validation
+    if exposed:
+        raise ConfigError(exposed)
+    if not settings.auth.enabled and announce:
+        log.warning(
+            "auth is OFF (auth.enabled: false): every local process that can reach %s, steps "
+            "included, acts as admin; turn it on for any shared machine",
+            settings.api.url,
+        )
     lock = _lock_state_dir(Path(settings.state_dir))
     sock = _listen(settings.api.host, settings.api.port)
     if settings.api.port == 0:  # an ephemeral port: steps and the CLI must learn the real one

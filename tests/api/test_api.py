@@ -32,8 +32,10 @@ class Api:
         self.client = TestClient(lt.app)
         now = lt.clock.now()
         _, self.admin = lt.store.create_token(name="root", owner="root", role="admin", now=now)
-        _, self.alice = lt.store.create_token(name="alice", owner="alice", role="user", now=now)
-        _, self.bob = lt.store.create_token(name="bob", owner="bob", role="user", now=now)
+        # Teammates in nlp: they see each other's jobs (docs/architecture.md §11).
+        nlp = ["nlp"]
+        _, self.alice = lt.store.create_token(name="alice", owner="alice", role="user", now=now, teams=nlp)
+        _, self.bob = lt.store.create_token(name="bob", owner="bob", role="user", now=now, teams=nlp)
 
     def h(self, token: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {token}"}
@@ -206,6 +208,8 @@ def test_tokens_are_managed_by_admins_only(api: Api) -> None:
     assert api.client.get("/v1/whoami", headers=api.h(carol["token"])).json() == {
         "name": "carol",
         "role": "user",
+        "teams": ["default"],
+        "max_priority": 50,
     }
     listed = api.client.get("/v1/tokens", headers=api.h(api.admin)).json()
     assert all(t["token"] is None for t in listed)

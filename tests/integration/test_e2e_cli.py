@@ -197,7 +197,7 @@ def test_bad_requests_from_the_cli_exit_2_with_the_reason(server: Server, tmp_pa
     assert server.json("jobs")["jobs"] == []
     r = server.cli("jobs", token="lt_not-a-token")
     assert r.returncode == 2 and "unknown or revoked token" in r.stderr
-    alice = server.json("token", "create", "alice")["token"]
+    alice = server.json("token", "create", "alice", "--team", "nlp")["token"]  # sees nlp's jobs
     theirs = json.loads(server.cli("submit", str(DAG), "-p", "steps=2000", "--json", check=True).stdout)["id"]
     r = server.cli("cancel", theirs, token=alice)
     assert r.returncode == 2 and "belongs to admin" in r.stderr
@@ -269,3 +269,126 @@ def test_a_second_control_plane_on_the_same_state_or_port_refuses_to_start(
     )
     assert taken.returncode == 1 and f"cannot listen on 127.0.0.1:{server.port}" in taken.stderr
     assert httpx.get(f"{server.url}/healthz", timeout=2).status_code == 200  # the first one is untouched
+
+
+# -- input that cannot break the tools (issue 10): JSON only on stdout, logs across retries,
+# -- undeclared parameters, warnings, auth off --------------------------------------------------
+
+
+def _server_with(tmp_path: Path, **extra: Any) -> Server:
+    config = tmp_path / "lowtide.yaml"
+    port = free_port()
+    doc: dict[str, Any] = {
+        "state_dir": "state",
+        "templates_dir": str(REPO / "examples" / "templates"),
+        "tick_seconds": 0.2,
+        "nodes": [{"name": "node-a", "gpus": 2}],
+        "api": {"port": port},
+        "executor": {"checkpoint_poll": 0.2, "retry_backoff": 0.2, "retry_backoff_max": 0.5},
+    }
+    doc.update(extra)
+    config.write_text(yaml.safe_dump(doc))
+    return Server(tmp_path, config, port)
+
+
+@pytest.fixture
+def quick_server(tmp_path: Path) -> Iterator[Server]:
+    srv = _server_with(tmp_path)
+    srv.start()
+    yield srv
+    srv.stop()
+    for p in shims_of(tmp_path):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+
+
+def test_submit_wait_json_prints_only_json_and_warnings_go_to_stderr(
+    quick_server: Server, tmp_path: Path
+) -> None:
+    spec = tmp_path / "img.yaml"
+    spec.write_text(
+        yaml.safe_dump({"name": "img", "steps": [{"name": "a", "command": ["true"], "image": "reg/x:1"}]})
+    )
+    r = quick_server.cli("submit", str(spec), "--wait", "--json")
+    assert r.returncode == 0, r.stderr
+    final = json.loads(r.stdout)  # the whole of stdout is one JSON document
+    assert final["job"]["state"] == "SUCCEEDED"
+    assert [w["loc"] for w in final["warnings"]] == ["steps[0].image"]
+    assert "submitted" in r.stderr and "warning:" in r.stderr and "steps[0].image" in r.stderr
+    r = quick_server.cli("validate", str(spec), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["warnings"][0]["loc"] == "steps[0].image"
+
+
+def test_an_undeclared_parameter_is_refused_by_validate_and_submit(
+    quick_server: Server, tmp_path: Path
+) -> None:
+    spec = tmp_path / "p.yaml"
+    spec.write_text(
+        yaml.safe_dump({"name": "p", "params": {"lr": 1}, "steps": [{"name": "a", "command": ["true"]}]})
+    )
+    r = quick_server.cli("validate", str(spec), "-p", "unknown=1")
+    assert r.returncode == 2 and "--param 'unknown=1': 'unknown' is not a parameter of this job" in r.stderr
+    r = quick_server.cli("submit", str(spec), "-p", "lr=2", "-p", "unknown=1")
+    assert r.returncode == 2 and "query.param[1]" in r.stderr and "'unknown' is not a parameter" in r.stderr
+    assert quick_server.json("jobs")["jobs"] == []
+
+
+def test_logs_follow_continues_across_a_retry(quick_server: Server, tmp_path: Path) -> None:
+    go = tmp_path / "GO"
+    script = (
+        'echo "attempt $LOWTIDE_ATTEMPT"; '
+        f'if [ "$LOWTIDE_ATTEMPT" = 1 ]; then while [ ! -e {go} ]; do sleep 0.05; done; exit 3; fi; '
+        "echo second"
+    )
+    spec = tmp_path / "retry.yaml"
+    spec.write_text(
+        yaml.safe_dump(
+            {"name": "retry", "max_retries": 1, "steps": [{"name": "run", "command": ["sh", "-c", script]}]}
+        )
+    )
+    job = json.loads(quick_server.cli("submit", str(spec), "--json", check=True).stdout)["id"]
+    env = {**os.environ, "LOWTIDE_CONFIG": str(quick_server.config), "COLUMNS": "200"}
+    follow = subprocess.Popen(
+        [sys.executable, "-m", "lowtide", "logs", job, "run", "-f"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
+    try:
+        assert follow.stdout is not None
+        seen = []
+        while not seen or seen[-1] != "attempt 1\n":  # following attempt 1 while it runs
+            seen.append(follow.stdout.readline())
+            assert seen[-1], f"logs -f ended early: {seen}"
+        go.touch()  # attempt 1 fails now; its retry is attempt 2
+        rest, err = follow.communicate(timeout=120)
+    finally:
+        if follow.poll() is None:
+            follow.kill()
+    assert follow.returncode == 0, err
+    lines = [line for line in [*seen, *rest.splitlines(keepends=True)] if not line.startswith("=== lowtide")]
+    assert lines == ["attempt 1\n", "attempt 2\n", "second\n"], rest
+    assert "--- run: attempt 2 ---" in err
+    assert quick_server.json("show", job)["job"]["state"] == "SUCCEEDED"
+
+
+def test_auth_off_warns_at_up_and_is_refused_off_loopback(tmp_path: Path) -> None:
+    (tmp_path / "off").mkdir()
+    srv = _server_with(tmp_path / "off", auth={"enabled": False})
+    srv.start()
+    try:
+        assert httpx.get(f"{srv.url}/v1/whoami", timeout=5).json()["role"] == "admin"
+    finally:
+        srv.stop()
+    log = (srv.root / "server.log").read_text()
+    assert "WARNING" in log and "auth is OFF" in log and "acts as admin" in log
+    r = subprocess.run(
+        [sys.executable, "-m", "lowtide", "--config", str(srv.config), "up", "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert r.returncode == 2 and "auth.enabled" in r.stderr and "loopback" in r.stderr

@@ -15,7 +15,7 @@ from storekit import HALF_LIFE, LAYOUT, NODES, advance_dag, finish, start, submi
 
 from lowtide.control.clock import FakeClock
 from lowtide.control.executor_port import ProcessIdentity
-from lowtide.control.records import GpuBusy, StaleState
+from lowtide.control.records import GpuBusy, LastAdminToken, StaleState
 from lowtide.domain.states import AttemptState, IllegalTransition, JobState, ReclaimState, StepState
 from lowtide.domain.states import ReplicaState as R
 from lowtide.policy.dag import DagChanges, JobChange, StepChange, advance
@@ -335,8 +335,14 @@ def test_tokens_are_stored_hashed_and_can_be_revoked(store: Store, clock: FakeCl
     assert store.has_admin_token()
     assert [t.id for t in store.list_tokens()] == [record.id, admin.id]  # step tokens are not listed
     assert store.authenticate(step_raw) is not None
+    with pytest.raises(LastAdminToken):  # nobody could mint another one
+        store.revoke_token(admin.id, clock.now())
+    assert store.authenticate(admin_raw) is not None
+    second, _ = store.create_token(name="ops2", owner="ops2", role="admin", now=clock.now())
     store.revoke_token(admin.id, clock.now())
-    assert not store.has_admin_token() and store.authenticate(admin_raw) is None
+    assert store.has_admin_token() and store.authenticate(admin_raw) is None
+    with pytest.raises(LastAdminToken):
+        store.revoke_token(second.id, clock.now())
 
 
 def test_instance_id_is_stable(store: Store) -> None:
@@ -570,7 +576,7 @@ def test_a_launch_carries_the_attempt_record_and_resumes_from_the_last_checkpoin
     att = store.attempt(second.attempt_id)
     assert att.record["resume_from"] == "s1" and att.record["gpus"] == [1]
     assert att.record["params"] == {"lr": 0.1, "layers": [1, 2]}
-    assert att.record["spec"]["steps"][0]["command"] == ["t", "{params.lr}"]
+    assert [s["command"] for s in att.record["spec"]["steps"]] == [["t", "{params.lr}"]]
     assert [a.number for a in store.step_attempts(job_id, "x")] == [1, 2]
     assert [a.id for a in store.active_attempts()] == [second.attempt_id]
     snap = store.snapshot(now=clock.now(), nodes=NODES, half_life_s=HALF_LIFE)

@@ -126,6 +126,16 @@ def test_starting_an_attempt() -> None:
     assert ar.launch_params({}) == {}
 
 
+def test_the_attempt_record_keeps_the_job_fields_and_only_its_own_step() -> None:
+    spec = {"name": "j", "timeout": 60, "steps": [{"name": f"s{i}", "command": ["x"]} for i in range(3)]}
+    resolved = ResolvedStep("s1", ("x",), 0, None, {}, {}, "/out", None)
+    record = ar.reproducibility_record(
+        spec=spec, resolved_doc={"name": "s1"}, resolved=resolved, last_checkpoint=None, node="n", gpus=()
+    )
+    assert record["spec"] == {"name": "j", "timeout": 60, "steps": [{"name": "s1", "command": ["x"]}]}
+    assert len(spec["steps"]) == 3  # the job's own spec is untouched
+
+
 def test_checkpoints_and_exits() -> None:
     assert ar.checkpoint_is_new(None, "c1") and not ar.checkpoint_is_new("c1", "c1")
     assert ar.checkpoint_message("c1", "3/9") == "checkpoint c1 (3/9)"

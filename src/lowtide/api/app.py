@@ -2,12 +2,18 @@
 
 Neighbours: `wiring` builds an `ApiContext` (store, clock, nodes, layout, templates) and calls
 `create_app`; the control loop runs beside it and is woken through `on_change` after a submit or
-cancel. Must not: start, stop or signal processes (the loop does, through its executor).
+cancel. Job specs are read only from application/yaml, application/json (whose body schema is
+`domain.spec_schema`) or application/octet-stream: never from the types a browser sends cross-site
+without a CORS preflight (text/plain, forms), nor without a Content-Type (415). CORS is closed
+unless `api.cors_origins` names origins. Must not: start, stop or signal processes (the loop does,
+through its executor).
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -16,26 +22,39 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi import Path as PathParam
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from lowtide import __version__
 from lowtide.api import reports as reports_api
 from lowtide.api import schemas
 from lowtide.api import services as services_api
-from lowtide.api.auth import Principal, authenticate, require_admin, require_owner_or_admin, require_people
+from lowtide.api.auth import (
+    Principal,
+    authenticate,
+    require_admin,
+    require_may_submit,
+    require_owner_or_admin,
+    require_people,
+    require_submitter,
+    require_visible,
+)
 from lowtide.api.errors import ApiError, install_error_handlers
 from lowtide.api.metrics import LoopStatus, metrics_text
 from lowtide.control.clock import Clock
+from lowtide.control.contract import parse_checkpoint_label
 from lowtide.control.inference import InferenceController
-from lowtide.control.records import JobRecord, NewJob, NotFound
+from lowtide.control.records import JobRecord, LastAdminToken, NewJob, NotFound
+from lowtide.control.secrets_port import SecretRule, secret_issues
 from lowtide.domain.gpus import Node
 from lowtide.domain.ids import new_job_id
 from lowtide.domain.layout import ArtifactLayout
 from lowtide.domain.spec import JobSpec
 from lowtide.domain.spec_document import MAX_SPEC_BYTES, parse_document
-from lowtide.domain.spec_issues import SpecInvalid
-from lowtide.domain.spec_parse import TemplateLookup, build_job_spec, require_images
+from lowtide.domain.spec_issues import SpecInvalid, excerpt
+from lowtide.domain.spec_parse import TemplateLookup, build_job_spec, image_warnings, require_images
 from lowtide.domain.spec_render import parse_param_assignment, render_step
+from lowtide.domain.spec_schema import job_spec_schema
 from lowtide.domain.states import AttemptState, JobState
 from lowtide.policy.accounting import AccountingPolicy, GroupBy
 from lowtide.store.repo import Store
@@ -48,9 +67,14 @@ SPEC_TYPES = {
     "application/x-yaml": "yaml",
     "text/yaml": "yaml",
     "text/x-yaml": "yaml",
-    "text/plain": "auto",
     "application/octet-stream": "auto",
 }
+#: Types a browser may send cross-site without asking first (a CORS "simple request", no
+#: preflight; WHATWG Fetch standard, "CORS-safelisted request-header": Content-Type
+#: application/x-www-form-urlencoded, multipart/form-data or text/plain, or none at all): a job
+#: spec is never read from them, so no web page can submit a job to a lowtide running with auth
+#: off on the viewer's machine.
+SIMPLE_TYPES = frozenset({"text/plain", "application/x-www-form-urlencoded", "multipart/form-data"})
 #: Ids are positive INTEGER columns (32-bit in PostgreSQL): any other id names nothing, and is refused (422).
 MAX_ID = 2**31 - 1
 _SPEC_BODY = {
@@ -59,7 +83,7 @@ _SPEC_BODY = {
         "description": "A job spec (docs/architecture.md §6.1) as YAML or JSON, at most 1 MiB.",
         "content": {
             "application/yaml": {"schema": {"type": "string"}},
-            "application/json": {"schema": {"type": "object"}},
+            "application/json": {"schema": job_spec_schema()},
         },
     }
 }
@@ -73,6 +97,8 @@ class ApiContext:
     layout: ArtifactLayout
     templates: TemplateLookup | None = None
     auth_enabled: bool = True
+    #: Web origins allowed to call the API from a browser (config `api.cors_origins`); none: no CORS.
+    cors_origins: tuple[str, ...] = ()
     #: "docker" or "podman" when steps run in containers (every step then needs an image).
     container_runtime: str | None = None
     max_body_bytes: int = MAX_SPEC_BYTES
@@ -82,6 +108,10 @@ class ApiContext:
     log_poll_s: float = 0.25
     #: Price per GPU-hour, currency and time zone of usage reports (config `accounting:`).
     accounting: AccountingPolicy = field(default_factory=AccountingPolicy)
+    #: Secrets jobs may name (config `secrets:`): the variable and teams of each, never a value.
+    secret_rules: dict[str, SecretRule] = field(default_factory=dict)
+    #: Steps a job may have (config `scheduler.max_steps_per_job`; None: no limit).
+    max_steps_per_job: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -102,15 +132,18 @@ def _principal(request: Request) -> Principal:
 async def _spec_body(request: Request) -> tuple[bytes, str]:
     """The raw spec, refused early when its type is unknown or it is larger than the limit."""
     ctx = _ctx(request)
-    ctype = request.headers.get("content-type", "application/yaml").split(";")[0].strip().lower()
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     fmt = SPEC_TYPES.get(ctype)
     if fmt is None:
-        raise ApiError(
-            415,
-            "unsupported_media_type",
-            f"cannot read a job spec sent as '{ctype}'",
-            [("header.Content-Type", "use application/yaml or application/json")],
-        )
+        use = "use application/yaml or application/json"
+        if not ctype:
+            why, msg = "a job spec needs a Content-Type", f"missing; {use}"
+        elif ctype in SIMPLE_TYPES:
+            why = f"a job spec is never read from '{ctype}': browsers send it cross-site without asking"
+            msg = f"refused (a cross-site request type); {use}"
+        else:
+            why, msg = f"cannot read a job spec sent as {excerpt(ctype)}", use
+        raise ApiError(415, "unsupported_media_type", why, [("header.Content-Type", msg)])
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > ctx.max_body_bytes:
         raise _too_large(int(declared), ctx.max_body_bytes)
@@ -154,18 +187,26 @@ def create_app(ctx: ApiContext) -> FastAPI:
         },
     )
     install_error_handlers(app)
+    if ctx.cors_origins:  # closed by default: without it no CORS header is ever sent
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(ctx.cors_origins),
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
     app.state.ctx = ctx
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_no_nul)])
 
     # -- jobs ----------------------------------------------------------------------------------
 
-    def _parse(data: bytes, fmt: str, param: list[str] | None) -> JobSpec:
+    def _parse(data: bytes, fmt: str, param: list[str] | None, who: Principal) -> JobSpec:
         overrides: dict[str, Any] = {}
+        locs: dict[str, str] = {}  # where each override's problems are reported
         issues: list[tuple[str, str]] = []
         for i, text in enumerate(param or []):
             try:
                 key, value = parse_param_assignment(text)
-                overrides[key] = value
+                overrides[key], locs[key] = value, f"query.param[{i}]"
             except ValueError as exc:
                 issues.append((f"query.param[{i}]", str(exc)))
         if issues:
@@ -177,12 +218,31 @@ def create_app(ctx: ApiContext) -> FastAPI:
                 templates=ctx.templates,
                 param_overrides=overrides,
                 max_gpus_per_node=ctx.max_gpus_per_node,
+                max_steps_per_job=ctx.max_steps_per_job,
+                default_team=who.default_team,
+                override_locs=locs,
             )
             if ctx.container_runtime:
                 require_images(spec, ctx.container_runtime)
-            return spec
         except SpecInvalid as exc:
             raise _spec_error(exc) from exc
+        _govern(spec, who)
+        return spec
+
+    def _govern(spec: JobSpec, who: Principal) -> None:
+        """The token may submit this job (team, priority), and its secrets exist and are the
+        team's (docs/architecture.md §11): 403/422 located, else nothing."""
+        require_may_submit(who, spec)
+        issues = secret_issues(spec, ctx.secret_rules)
+        if issues:
+            status = 422 if any(i.status == 422 for i in issues) else 403
+            code = "invalid_spec" if status == 422 else "forbidden"
+            raise ApiError(
+                status,
+                code,
+                f"the job's secrets have {len(issues)} problem(s)",
+                [(i.loc, i.msg) for i in issues],
+            )
 
     @v1.post(
         "/jobs",
@@ -193,12 +253,17 @@ def create_app(ctx: ApiContext) -> FastAPI:
         summary="Submit a job (YAML or JSON spec)",
     )
     def submit_job(who: Who, body: Body, response: Response, param: Params = None) -> schemas.JobOut:
-        require_people(who)
+        require_submitter(who)
         data, fmt = body
-        spec = _parse(data, fmt, param)
+        spec = _parse(data, fmt, param, who)
         job = _create(spec, data.decode("utf-8"), who.name, rerun_of=None)
         response.headers["Location"] = f"/v1/jobs/{job.id}"
-        return schemas.job_out(job)
+        return schemas.job_out(job).model_copy(update={"warnings": _warnings(spec)})
+
+    def _warnings(spec: JobSpec) -> list[schemas.ErrorItem]:
+        """What of `spec` this lowtide ignores (an `image` with the process runtime)."""
+        found = image_warnings(spec, ctx.container_runtime or "process")
+        return [schemas.ErrorItem(loc=w.loc, msg=w.msg) for w in found]
 
     @v1.post(
         "/jobs/validate",
@@ -208,9 +273,10 @@ def create_app(ctx: ApiContext) -> FastAPI:
         summary="Validate a job spec and show it expanded (templates, parameters); stores nothing",
     )
     def validate_job(who: Who, body: Body, param: Params = None) -> schemas.DryRunOut:
-        require_people(who)
+        require_submitter(who)
         data, fmt = body
-        return schemas.DryRunOut(valid=True, spec=_parse(data, fmt, param).to_document())
+        spec = _parse(data, fmt, param, who)
+        return schemas.DryRunOut(valid=True, spec=spec.to_document(), warnings=_warnings(spec))
 
     def _create(spec: JobSpec, source: str, owner: str, rerun_of: str | None) -> JobRecord:
         job_id = new_job_id()
@@ -243,7 +309,13 @@ def create_app(ctx: ApiContext) -> FastAPI:
     ) -> schemas.JobListOut:
         require_people(who)
         jobs = ctx.store.list_jobs(
-            states=state or (), team=team, owner=owner, name=name, limit=limit, before=before
+            states=state or (),
+            team=team,
+            owner=owner,
+            name=name,
+            limit=limit,
+            before=before,
+            visible_to=who.scope,
         )
         next_before = jobs[-1].submitted_at if len(jobs) == limit else None
         return schemas.JobListOut(jobs=[schemas.job_out(j) for j in jobs], next_before=next_before)
@@ -253,7 +325,9 @@ def create_app(ctx: ApiContext) -> FastAPI:
     )
     def get_job(who: Who, job_id: str) -> schemas.JobDetailOut:
         require_people(who)
-        return schemas.job_detail_out(_found(lambda: ctx.store.job_detail(job_id)))
+        detail = _found(lambda: ctx.store.job_detail(job_id))
+        require_visible(who, detail.job)
+        return schemas.job_detail_out(detail)
 
     @v1.post(
         "/jobs/{job_id}/cancel", response_model=schemas.JobOut, responses={404: {"model": schemas.ErrorOut}}
@@ -279,10 +353,17 @@ def create_app(ctx: ApiContext) -> FastAPI:
     def rerun_job(who: Who, job_id: str, response: Response) -> schemas.JobOut:
         require_people(who)
         job = _found(lambda: ctx.store.job(job_id))
+        require_visible(who, job)
+        require_submitter(who)
         try:
-            spec = build_job_spec(dict(job.spec), max_gpus_per_node=ctx.max_gpus_per_node)
+            spec = build_job_spec(
+                dict(job.spec),
+                max_gpus_per_node=ctx.max_gpus_per_node,
+                max_steps_per_job=ctx.max_steps_per_job,
+            )
         except SpecInvalid as exc:  # the pool shrank since: say so, located
             raise _spec_error(exc) from exc
+        _govern(spec, who)  # the rerun is the caller's job: their token must allow it
         new_job = _create(spec, job.source_text, who.name, rerun_of=job_id)
         response.headers["Location"] = f"/v1/jobs/{new_job.id}"
         return schemas.job_out(new_job)
@@ -302,6 +383,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
         offset: Annotated[int, Query(ge=0)] = 0,
     ) -> Response:
         require_people(who)
+        require_visible(who, _found(lambda: ctx.store.job(job_id)))
         attempts = _found(lambda: ctx.store.step_attempts(job_id, step))
         if not attempts:
             raise ApiError(
@@ -371,14 +453,17 @@ def create_app(ctx: ApiContext) -> FastAPI:
                 409, "conflict", f"step '{step}' has no running attempt", [("path.step", "not running")]
             )
         current = running[-1]
+        try:  # the same rule as LATEST (docs/architecture.md §6.2)
+            label = parse_checkpoint_label(body.label, checkpoint_dir=current.record.get("checkpoint_dir"))
+        except ValueError as exc:
+            problem = [("body.label", str(exc))]
+            raise ApiError(422, "invalid_request", "the request is not valid", problem) from exc
         now = ctx.clock.now()
-        ctx.store.record_checkpoint(
-            current.id, label=body.label.strip(), progress=body.progress, source="api", now=now
-        )
+        ctx.store.record_checkpoint(current.id, label=label, progress=body.progress, source="api", now=now)
         return schemas.CheckpointOut(
             attempt_id=current.id,
             step=step,
-            label=body.label.strip(),
+            label=label,
             progress=body.progress,
             source="api",
             reported_at=now,
@@ -447,7 +532,14 @@ def create_app(ctx: ApiContext) -> FastAPI:
     ) -> reports_api.UsageReportOut:
         require_people(who)
         return reports_api.usage_report(
-            ctx.store, ctx.accounting, now=ctx.clock.now(), start=start, end=end, group_by=group_by, tz=tz
+            ctx.store,
+            ctx.accounting,
+            now=ctx.clock.now(),
+            start=start,
+            end=end,
+            group_by=group_by,
+            tz=tz,
+            visible_team=who.sees_team,
         )
 
     @v1.get(
@@ -484,6 +576,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
             tz=tz,
             price=price,
             currency=currency,
+            visible_team=who.sees_team,
         )
 
     # -- end of reports ------------------------------------------------------------------------
@@ -493,11 +586,13 @@ def create_app(ctx: ApiContext) -> FastAPI:
     @v1.get("/pool", response_model=schemas.PoolOut, summary="Every GPU and who holds it")
     def pool(who: Who) -> schemas.PoolOut:
         require_people(who)
-        return schemas.pool_out(ctx.nodes, ctx.store.holdings())
+        return schemas.pool_out(ctx.nodes, ctx.store.holdings(), visible_team=who.sees_team)
 
     @v1.get("/whoami", response_model=schemas.WhoAmIOut)
     def whoami(who: Who) -> schemas.WhoAmIOut:
-        return schemas.WhoAmIOut(name=who.name, role=who.role)
+        return schemas.WhoAmIOut(
+            name=who.name, role=who.role, teams=list(who.teams), max_priority=who.max_priority
+        )
 
     @v1.get("/tokens", response_model=list[schemas.TokenOut])
     def list_tokens(who: Who) -> list[schemas.TokenOut]:
@@ -508,14 +603,29 @@ def create_app(ctx: ApiContext) -> FastAPI:
     def create_token(who: Who, body: schemas.TokenIn) -> schemas.TokenOut:
         require_admin(who)
         record, raw = ctx.store.create_token(
-            name=body.name, owner=body.owner or body.name, role=body.role, now=ctx.clock.now()
+            name=body.name,
+            owner=body.owner or body.name,
+            role=body.role,
+            now=ctx.clock.now(),
+            teams=body.teams,
+            max_priority=body.max_priority,
         )
         return schemas.token_out(record, raw)
 
-    @v1.delete("/tokens/{token_id}", status_code=204, responses={404: {"model": schemas.ErrorOut}})
+    @v1.delete(
+        "/tokens/{token_id}",
+        status_code=204,
+        responses={404: {"model": schemas.ErrorOut}, 409: {"model": schemas.ErrorOut}},
+        summary="Revoke a token (never the last active admin token: 409)",
+    )
     def revoke_token(who: Who, token_id: Annotated[int, PathParam(ge=1, le=MAX_ID)]) -> Response:
         require_admin(who)
-        _found(lambda: ctx.store.revoke_token(token_id, ctx.clock.now()))
+        try:
+            _found(lambda: ctx.store.revoke_token(token_id, ctx.clock.now()))
+        except LastAdminToken as exc:  # nobody could mint another: docs/architecture.md §11
+            raise ApiError(
+                409, "conflict", str(exc), [("path.token_id", "the last active admin token")]
+            ) from exc
         return Response(status_code=204)
 
     app.include_router(v1)
@@ -572,8 +682,20 @@ def _found(fn: Callable[[], _T]) -> _T:
 
 
 def _read_bytes(path: Path, offset: int, limit: int = 1 << 20) -> bytes:
+    # The log lies in the step's own work dir (docs/architecture.md §6.4): a symlink or FIFO the
+    # step put in its place is not lowtide's log (root must not read the admin token through it).
     try:
-        with path.open("rb") as fh:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return b""
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return b""
+        raise
+    try:
+        with os.fdopen(fd, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                return b""
             if offset >= os.fstat(fh.fileno()).st_size:
                 return b""  # nothing there (yet); seek() fails past the largest offset a file can have
             fh.seek(offset)

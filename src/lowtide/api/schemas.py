@@ -5,7 +5,8 @@ Times are float seconds since the epoch (UTC). Must not: query the store.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Annotated, Any
 
 from pydantic import BaseModel, Field
 
@@ -20,6 +21,15 @@ from lowtide.control.records import (
     TokenRecord,
 )
 from lowtide.domain.gpus import Node
+
+#: A team name in a token ("*": every team): the job spec's name rule.
+TEAM_PATTERN = r"^(\*|[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)$"
+#: How the pool shows an attempt of a team the caller does not see.
+OTHER_TEAM = "(another team)"
+
+
+def _all(team: str | None) -> bool:
+    return True
 
 
 class ErrorItem(BaseModel):
@@ -47,6 +57,11 @@ class JobOut(BaseModel):
     rerun_of: str | None
     message: str
     steps: dict[str, int] = Field(description="number of steps in each state")
+    warnings: list[ErrorItem] = Field(
+        default_factory=list,
+        description="what of the spec this lowtide ignores (e.g. `image` with the process runtime); "
+        "only in the answer to a submit",
+    )
 
 
 class StepOut(BaseModel):
@@ -127,6 +142,9 @@ class JobListOut(BaseModel):
 class DryRunOut(BaseModel):
     valid: bool
     spec: dict[str, Any]
+    warnings: list[ErrorItem] = Field(
+        default_factory=list, description="what of the spec this lowtide would ignore"
+    )
 
 
 class GpuOut(BaseModel):
@@ -153,13 +171,22 @@ class PoolOut(BaseModel):
 
 class TokenIn(BaseModel):
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._@-]+$")
-    role: str = Field(default="user", pattern=r"^(admin|user)$")
+    role: str = Field(default="user", pattern=r"^(admin|user|viewer)$")
     owner: str | None = Field(
         default=None,
         min_length=1,
         max_length=128,
         pattern=r"^[A-Za-z0-9._@-]+$",
         description="who the token acts as (default: the name)",
+    )
+    teams: list[Annotated[str, Field(pattern=TEAM_PATTERN)]] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=64,
+        description="teams it may submit for and see ('*': all; default: [default]); admins: all",
+    )
+    max_priority: int | None = Field(
+        default=None, ge=0, le=100, description="highest priority it may submit (default: 50); admins: 100"
     )
 
 
@@ -168,15 +195,22 @@ class TokenOut(BaseModel):
     name: str
     owner: str
     role: str
+    teams: list[str]
+    max_priority: int
     created_at: float
     revoked_at: float | None
     token: str | None = Field(default=None, description="the secret, shown only once when created")
 
 
 class CheckpointIn(BaseModel):
-    # No NUL: PostgreSQL text cannot hold it, and the label becomes LOWTIDE_RESUME_FROM.
+    # No NUL: PostgreSQL text cannot hold it, and the label becomes LOWTIDE_RESUME_FROM. The route
+    # checks the rest with `control.contract.parse_checkpoint_label`, the rule LATEST follows too.
     label: str = Field(
-        min_length=1, max_length=1024, pattern=r"^[^\x00]*$", description="the checkpoint's name or path"
+        min_length=1,
+        max_length=1024,
+        pattern=r"^[^\x00]*$",
+        description="the checkpoint's name relative to LOWTIDE_CHECKPOINT_DIR (no '..'), or an absolute "
+        "path or URL inside it; one line of printable characters",
     )
     progress: str | None = Field(
         default=None, max_length=256, pattern=r"^[^\x00]*$", description="e.g. 'step 1200'"
@@ -186,6 +220,8 @@ class CheckpointIn(BaseModel):
 class WhoAmIOut(BaseModel):
     name: str
     role: str
+    teams: list[str] = Field(description="teams whose jobs it sees and may submit for ('*': all)")
+    max_priority: int
 
 
 def job_out(j: JobRecord) -> JobOut:
@@ -279,7 +315,11 @@ def job_detail_out(d: JobDetail) -> JobDetailOut:
     )
 
 
-def pool_out(nodes: tuple[Node, ...], holdings: list[GpuHolding]) -> PoolOut:
+def pool_out(
+    nodes: tuple[Node, ...], holdings: list[GpuHolding], visible_team: Callable[[str | None], bool] = _all
+) -> PoolOut:
+    """Every GPU and its holder; an attempt of a team `visible_team` refuses shows no job, step
+    or attempt, and its team as OTHER_TEAM (docs/architecture.md §11)."""
     by_gpu = {(h.node, h.index): h for h in holdings}
     out_nodes = []
     total = free = 0
@@ -288,6 +328,19 @@ def pool_out(nodes: tuple[Node, ...], holdings: list[GpuHolding]) -> PoolOut:
         for index in node.gpus:
             h = by_gpu.get((node.name, index))
             kind = h.holder_kind if h else "idle"
+            if h is not None and kind == "attempt" and not visible_team(h.team):
+                gpus.append(
+                    GpuOut(
+                        index=index,
+                        holder=kind,
+                        job_id=None,
+                        step=None,
+                        attempt_id=None,
+                        team=OTHER_TEAM,
+                        since=h.since,
+                    )
+                )
+                continue
             gpus.append(
                 GpuOut(
                     index=index,
@@ -312,6 +365,8 @@ def token_out(t: TokenRecord, raw: str | None = None) -> TokenOut:
         name=t.name,
         owner=t.owner,
         role=t.role,
+        teams=list(t.teams),
+        max_priority=t.max_priority,
         created_at=t.created_at,
         revoked_at=t.revoked_at,
         token=raw,

@@ -9,22 +9,25 @@ not succeed). `--json` prints machine-readable output. Must not: touch the store
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import sys
 import time
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from lowtide.cli.client import ApiFailure, Client
 from lowtide.cli.emulate_cmd import emulate_app
 from lowtide.cli.loadgen_cmd import loadgen_app
 from lowtide.cli.metrics_cmd import metrics_app
-from lowtide.cli.output import console
+from lowtide.cli.output import HELP_MARKUP, clean, console, safe
 from lowtide.cli.report_cmd import gpu_time, lost_work_line, report_command
 from lowtide.cli.simulate_cmd import simulate_app
 from lowtide.config import ConfigError, Settings, load_settings
@@ -35,8 +38,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=HELP_MARKUP,
 )
-token_app = typer.Typer(help="Manage API tokens (admin).", no_args_is_help=True)
+token_app = typer.Typer(help="Manage API tokens (admin).", no_args_is_help=True, rich_markup_mode=HELP_MARKUP)
 app.add_typer(token_app, name="token")
 app.add_typer(metrics_app, name="metrics", help="Read vLLM /metrics the way lowtide does.")
 app.add_typer(emulate_app, name="emulate", help="Emulated inference servers for machines without GPUs.")
@@ -57,6 +61,10 @@ class _State:
 
 state = _State()
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+PARAM_HELP = (
+    "Set a parameter the spec declares: k=v (repeatable). A list or mapping is YAML, "
+    "e.g. -p 'tags=[a, b]' or -p 'opt={beta: 0.9}'."
+)
 
 
 @app.callback()
@@ -76,11 +84,19 @@ def _main(
 def _fail(
     message: str, code: int = 2, errors: list[dict[str, str]] | None = None, where: str = ""
 ) -> NoReturn:
-    err.print(f"[red]error:[/red] {message}")
+    err.print(f"[red]error:[/red] {safe(message)}")
     for e in errors or []:
         prefix = f"{where}: " if where else ""
-        err.print(f"  {prefix}{e.get('loc', '')}: {e.get('msg', '')}")
+        err.print(f"  {safe(prefix)}{safe(e.get('loc', ''))}: {safe(e.get('msg', ''))}")
     raise typer.Exit(code)
+
+
+def _print_warnings(warnings: list[dict[str, str]] | None, where: str = "") -> None:
+    """The API's (or local validation's) warnings, on stderr: what of the spec is ignored."""
+    prefix = f"{where}: " if where else ""
+    for w in warnings or []:
+        where_ = f"{prefix}{w.get('loc', '')}"
+        err.print(f"[yellow]warning:[/yellow] {safe(where_)}: {safe(w.get('msg', ''))}")
 
 
 def _settings() -> Settings:
@@ -162,7 +178,17 @@ def _state_style(s: str) -> str:
         "CANCELLING": "yellow",
         "SKIPPED": "dim",
     }.get(s)
-    return f"[{color}]{s}[/{color}]" if color else s
+    return f"[{color}]{safe(s)}[/{color}]" if color else safe(s)
+
+
+def _state_text(s: str) -> Text:
+    return Text.from_markup(_state_style(s))
+
+
+def _cells(*cells: object) -> list[Text]:
+    """Table cells: text as written (never markup, control characters made visible), or a
+    `Text` already styled (`_state_text`)."""
+    return [c if isinstance(c, Text) else Text(clean(c)) for c in cells]
 
 
 # -- commands --------------------------------------------------------------------------------
@@ -180,7 +206,7 @@ def up(
     ] = None,
 ) -> None:
     """Start the embedded control plane: API, scheduling loop, executor, services and gateways."""
-    from lowtide.wiring import ServeError, serve  # noqa: PLC0415 (server-only imports)
+    from lowtide.wiring import ServeError, preflight, serve  # noqa: PLC0415 (server-only imports)
 
     if config is not None:
         state.config = config
@@ -193,6 +219,11 @@ def up(
         settings = settings.model_copy(update=overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # health checks and scrapes: one line each
+    try:  # before "listening": an engine that does not answer, or run_as that cannot work, exit 2
+        for warning in preflight(settings):
+            err.print(f"WARNING: {warning}", markup=False, highlight=False, style="bold yellow")
+    except ConfigError as exc:
+        _fail(str(exc))
     err.print(f"lowtide listening on {settings.api.url} (state in {Path(settings.state_dir).resolve()})")
     if settings.auth.enabled:
         err.print(f"admin token: {settings.admin_token_path} (created on first start, mode 0600)")
@@ -207,49 +238,57 @@ def up(
 @app.command()
 def validate(
     file: Annotated[Path, typer.Argument(help="Job spec (YAML or JSON).")],
-    param: Annotated[
-        list[str] | None, typer.Option("--param", "-p", help="Override a parameter: k=v.")
-    ] = None,
+    param: Annotated[list[str] | None, typer.Option("--param", "-p", help=PARAM_HELP)] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Check a job spec locally; exit 0 if valid, 2 with located errors if not."""
     from lowtide.adapters.templates import DirectoryTemplates  # noqa: PLC0415
     from lowtide.domain.spec_document import parse_document  # noqa: PLC0415
-    from lowtide.domain.spec_issues import SpecInvalid  # noqa: PLC0415
-    from lowtide.domain.spec_parse import build_job_spec, require_images  # noqa: PLC0415
+    from lowtide.domain.spec_issues import SpecInvalid, excerpt  # noqa: PLC0415
+    from lowtide.domain.spec_parse import build_job_spec, image_warnings, require_images  # noqa: PLC0415
     from lowtide.domain.spec_render import parse_param_assignment  # noqa: PLC0415
 
     settings = _settings()
     max_gpus = _declared_max_gpus(settings)
     overrides: dict[str, Any] = {}
+    locs: dict[str, str] = {}
     for text in param or []:
         try:
             key, value = parse_param_assignment(text)
         except ValueError as exc:
-            _fail(f"--param {text!r}: {exc}")
-        overrides[key] = value
+            _fail(f"--param {excerpt(text)}: {exc}")
+        overrides[key], locs[key] = value, f"--param {excerpt(text)}"
     data = _read_spec(file)
     templates_dir = Path(settings.templates_dir)
     templates = DirectoryTemplates(templates_dir) if templates_dir.is_dir() else None
     try:
         doc = parse_document(data, fmt="json" if file.suffix.lower() == ".json" else "auto")
-        spec = build_job_spec(doc, templates=templates, param_overrides=overrides, max_gpus_per_node=max_gpus)
+        spec = build_job_spec(
+            doc,
+            templates=templates,
+            param_overrides=overrides,
+            max_gpus_per_node=max_gpus,
+            override_locs=locs,
+            max_steps_per_job=settings.scheduler.max_steps_per_job,
+        )
         if settings.executor.runtime != "process":
             require_images(spec, settings.executor.runtime)
     except SpecInvalid as exc:
         if as_json:
             _print_json({"valid": False, "errors": [{"loc": i.loc, "msg": i.msg} for i in exc.issues]})
             raise typer.Exit(2) from exc
-        err.print(f"[red]{file}: invalid job spec ({len(exc.issues)} problem(s))[/red]")
+        err.print(f"[red]{safe(file)}: invalid job spec ({len(exc.issues)} problem(s))[/red]")
         for issue in exc.issues:
-            err.print(f"  {file}: {issue.loc}: {issue.msg}")
+            err.print(f"  {safe(file)}: {safe(issue.loc)}: {safe(issue.msg)}")
         raise typer.Exit(2) from exc
+    warnings = [{"loc": w.loc, "msg": w.msg} for w in image_warnings(spec, settings.executor.runtime)]
+    _print_warnings(warnings, str(file))
     if as_json:
-        _print_json({"valid": True, "spec": spec.to_document()})
+        _print_json({"valid": True, "spec": spec.to_document(), "warnings": warnings})
         return
     gpus = max((s.gpus for s in spec.steps), default=0)
     out.print(
-        f"[green]OK[/green] {file}: job '{spec.name}', {len(spec.steps)} step(s), "
+        f"[green]OK[/green] {safe(file)}: job '{safe(spec.name)}', {len(spec.steps)} step(s), "
         f"up to {gpus} GPU(s) per step"
     )
 
@@ -266,9 +305,7 @@ def _declared_max_gpus(settings: Settings) -> int | None:
 @app.command()
 def submit(
     file: Annotated[Path, typer.Argument(help="Job spec (YAML or JSON).")],
-    param: Annotated[
-        list[str] | None, typer.Option("--param", "-p", help="Override a parameter: k=v.")
-    ] = None,
+    param: Annotated[list[str] | None, typer.Option("--param", "-p", help=PARAM_HELP)] = None,
     wait: Annotated[
         bool, typer.Option("--wait", help="Wait until the job ends; exit 0 only if it succeeded.")
     ] = False,
@@ -277,7 +314,8 @@ def submit(
     ] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Submit a job."""
+    """Submit a job. Warnings (what of the spec is ignored here) go to stderr; with --json, only
+    JSON goes to stdout (with --wait, the final job detail plus the submit's `warnings`)."""
     data = _read_spec(file)
     client = _client()
     result = _call(
@@ -288,17 +326,20 @@ def submit(
         dry_run=dry_run,
         where=str(file),
     )
+    _print_warnings(result.get("warnings"), str(file))
     if dry_run:
-        _print_json(result) if as_json else out.print(f"[green]valid[/green] {file}")
+        _print_json(result) if as_json else out.print(f"[green]valid[/green] {safe(file)}")
         return
     if as_json and not wait:
         _print_json(result)
         return
-    out.print(f"submitted [bold]{result['id']}[/bold] ({result['name']}, team {result['team']})")
+    (err if as_json else out).print(
+        f"submitted [bold]{safe(result['id'])}[/bold] ({safe(result['name'])}, team {safe(result['team'])})"
+    )
     if wait:
         final = _wait(client, result["id"], quiet=as_json)
         if as_json:
-            _print_json(final)
+            _print_json({**final, "warnings": result.get("warnings", [])})
         raise typer.Exit(0 if final["job"]["state"] == "SUCCEEDED" else 1)
 
 
@@ -311,14 +352,17 @@ def _wait(client: Client, job_id: str, *, quiet: bool = False, poll: float = 1.0
                 seen[step["name"]] = step["state"]
                 if not quiet:
                     extra = (
-                        f" — {step['reason']}" if step["reason"] and step["state"] not in ("RUNNING",) else ""
+                        f" — {safe(step['reason'])}"
+                        if step["reason"] and step["state"] not in ("RUNNING",)
+                        else ""
                     )
-                    out.print(f"  {step['name']}: {_state_style(step['state'])}{extra}")
+                    out.print(f"  {safe(step['name'])}: {_state_style(step['state'])}{extra}")
         if detail["job"]["state"] in TERMINAL and not any(
             s["state"] in ("RUNNING", "CANCELLING", "PREEMPTING") for s in detail["steps"]
         ):
             if not quiet:
-                out.print(f"job {job_id}: {_state_style(detail['job']['state'])} {detail['job']['message']}")
+                job = detail["job"]
+                out.print(f"job {safe(job_id)}: {_state_style(job['state'])} {safe(job['message'])}")
             return detail
         time.sleep(poll)
 
@@ -346,14 +390,16 @@ def jobs(
     for j in data["jobs"]:
         steps = " ".join(f"{k.lower()}:{v}" for k, v in sorted(j["steps"].items()))
         table.add_row(
-            j["id"],
-            j["name"],
-            j["team"],
-            j["owner"],
-            str(j["priority"]),
-            _state_style(j["state"]),
-            steps,
-            _when(j["submitted_at"]),
+            *_cells(
+                j["id"],
+                j["name"],
+                j["team"],
+                j["owner"],
+                str(j["priority"]),
+                _state_text(j["state"]),
+                steps,
+                _when(j["submitted_at"]),
+            )
         )
     out.print(table)
 
@@ -367,23 +413,26 @@ def show(job: Annotated[str, typer.Argument(help="Job id.")], as_json: JsonOpt =
         return
     j = d["job"]
     out.print(
-        f"[bold]{j['id']}[/bold] {j['name']}  team={j['team']} owner={j['owner']} priority={j['priority']}"
+        f"[bold]{safe(j['id'])}[/bold] {safe(j['name'])}  team={safe(j['team'])} owner={safe(j['owner'])} "
+        f"priority={safe(j['priority'])}"
     )
-    out.print(f"state: {_state_style(j['state'])} {j['message']}")
+    out.print(f"state: {_state_style(j['state'])} {safe(j['message'])}")
     out.print(
         f"submitted {_when(j['submitted_at'])}  started {_when(j['started_at'])}  "
-        f"finished {_when(j['finished_at'])}" + (f"  rerun of {j['rerun_of']}" if j["rerun_of"] else "")
+        f"finished {_when(j['finished_at'])}" + (f"  rerun of {safe(j['rerun_of'])}" if j["rerun_of"] else "")
     )
     steps = Table("STEP", "STATE", "GPUS", "DEPENDS", "RETRIES", "CHECKPOINT", "REASON", title="steps")
     for s in d["steps"]:
         steps.add_row(
-            s["name"],
-            _state_style(s["state"]),
-            str(s["gpus"]),
-            ",".join(s["depends"]) or "-",
-            f"{s['retries_used']}/{s['max_retries']}",
-            s["last_checkpoint"] or "-",
-            s["reason"],
+            *_cells(
+                s["name"],
+                _state_text(s["state"]),
+                str(s["gpus"]),
+                ",".join(s["depends"]) or "-",
+                f"{s['retries_used']}/{s['max_retries']}",
+                s["last_checkpoint"] or "-",
+                s["reason"],
+            )
         )
     out.print(steps)
     if d["attempts"]:
@@ -399,35 +448,39 @@ def show(job: Annotated[str, typer.Argument(help="Job id.")], as_json: JsonOpt =
                 else (f"sig{a['signal']}" if a["signal"] else "-")
             )
             att.add_row(
-                a["step"],
-                str(a["number"]),
-                _state_style(a["state"]),
-                where,
-                _when(a["started_at"]),
-                ran,
-                code,
-                gpu_time(a.get("lost_gpu_seconds")),
-                a["message"],
+                *_cells(
+                    a["step"],
+                    str(a["number"]),
+                    _state_text(a["state"]),
+                    where,
+                    _when(a["started_at"]),
+                    ran,
+                    code,
+                    gpu_time(a.get("lost_gpu_seconds")),
+                    a["message"],
+                )
             )
         out.print(att)
-        out.print(lost_work_line(d["steps"], d["attempts"]))
+        out.print(safe(lost_work_line(d["steps"], d["attempts"])))
     if d["checkpoints"]:
         number = {a["id"]: a["number"] for a in d["attempts"]}
         ck = Table("STEP", "ATTEMPT", "CHECKPOINT", "PROGRESS", "SOURCE", "AT", title="checkpoints")
         for c in d["checkpoints"]:
             ck.add_row(
-                c["step"],
-                str(number.get(c["attempt_id"], c["attempt_id"])),
-                c["label"],
-                c["progress"] or "-",
-                c["source"],
-                _when(c["reported_at"]),
+                *_cells(
+                    c["step"],
+                    str(number.get(c["attempt_id"], c["attempt_id"])),
+                    c["label"],
+                    c["progress"] or "-",
+                    c["source"],
+                    _when(c["reported_at"]),
+                )
             )
         out.print(ck)
     if d["events"]:
         ev = Table("AT", "STEP", "EVENT", "MESSAGE", title="events")
         for e in d["events"][-30:]:
-            ev.add_row(_when(e["at"]), e["step"] or "-", e["kind"], e["message"])
+            ev.add_row(*_cells(_when(e["at"]), e["step"] or "-", e["kind"], e["message"]))
         out.print(ev)
 
 
@@ -436,18 +489,87 @@ def logs(
     job: Annotated[str, typer.Argument(help="Job id.")],
     step: Annotated[str, typer.Argument(help="Step name.")],
     follow: Annotated[
-        bool, typer.Option("--follow", "-f", help="Keep printing until the attempt ends.")
+        bool,
+        typer.Option(
+            "--follow", "-f", help="Keep printing until the step ends, across retries and requeues."
+        ),
     ] = False,
     attempt: Annotated[int | None, typer.Option(help="Attempt number (default: the latest).")] = None,
+    raw: Annotated[
+        bool, typer.Option("--raw", help="Write the bytes as the step wrote them (control characters too).")
+    ] = False,
 ) -> None:
-    """Print a step's output."""
+    """Print a step's output. Control characters other than newline and tab are shown as escapes
+    (\\x1b), so a log cannot drive the terminal; --raw writes the bytes unchanged. With -f (and no
+    --attempt) the step is followed across attempts: when one ends and the step is queued again
+    (a retry, a preemption), a separator line goes to stderr and the next attempt's output
+    follows; it stops when the step has finished."""
     client = _client()
+    sink = _LogSink(raw)
     try:
-        for chunk in client.stream_logs(job, step, attempt=attempt, follow=follow):
-            sys.stdout.buffer.write(chunk)
-            sys.stdout.flush()
+        if not follow or attempt is not None:
+            sink.write_all(client.stream_logs(job, step, attempt=attempt, follow=follow))
+        else:
+            _follow_step(client, job, step, sink)
     except ApiFailure as exc:
         _fail(exc.message, 2 if exc.client_error else 1, exc.errors)
+    finally:
+        sink.close()
+
+
+#: Step states after which no attempt of the step will start.
+_STEP_DONE = frozenset({"SUCCEEDED", "FAILED", "CANCELLED", "SKIPPED"})
+
+
+class _LogSink:
+    """Writes log bytes to stdout: decoded as UTF-8 (bad bytes replaced) and `clean`ed, or raw."""
+
+    def __init__(self, raw: bool) -> None:
+        self.raw = raw
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def write(self, chunk: bytes) -> None:
+        if self.raw:
+            sys.stdout.buffer.write(chunk)
+        else:
+            sys.stdout.write(clean(self.decoder.decode(chunk)))
+        sys.stdout.flush()
+
+    def write_all(self, chunks: Iterable[bytes]) -> None:
+        for chunk in chunks:
+            self.write(chunk)
+
+    def close(self) -> None:
+        if not self.raw:
+            sys.stdout.write(clean(self.decoder.decode(b"", final=True)))
+            sys.stdout.flush()
+
+
+def _follow_step(client: Client, job: str, step: str, sink: _LogSink, poll: float = 0.5) -> None:
+    """Follow `step` of `job` from its latest attempt on, across retries, until it has finished."""
+    followed: int | None = None
+    waiting_said = False
+    while True:
+        detail: dict[str, Any] = client.json("GET", f"/v1/jobs/{job}")
+        states = {s["name"]: s["state"] for s in detail["steps"]}
+        numbers = sorted(a["number"] for a in detail["attempts"] if a["step"] == step)
+        newer = [n for n in numbers if followed is None or n > followed]
+        if newer:
+            number = newer[-1] if followed is None else newer[0]
+            if followed is not None:
+                sink.close()
+                err.print(f"--- {safe(step)}: attempt {number} ---", highlight=False)
+            sink.write_all(client.stream_logs(job, step, attempt=number, follow=True))
+            followed = number
+            continue
+        if step not in states or states[step] in _STEP_DONE:
+            if followed is None:  # never started (or no such step): the API says why (404)
+                sink.write_all(client.stream_logs(job, step, attempt=None, follow=False))
+            return
+        if followed is None and not waiting_said:
+            err.print(f"waiting for step {safe(step)} to start ({_state_style(states[step])})")
+            waiting_said = True
+        time.sleep(poll)
 
 
 @app.command()
@@ -457,7 +579,7 @@ def cancel(job: Annotated[str, typer.Argument(help="Job id.")], as_json: JsonOpt
     if as_json:
         _print_json(j)
         return
-    out.print(f"{j['id']}: {_state_style(j['state'])}")
+    out.print(f"{safe(j['id'])}: {_state_style(j['state'])}")
 
 
 @app.command()
@@ -472,7 +594,7 @@ def rerun(
     if as_json and not wait:
         _print_json(j)
         return
-    out.print(f"submitted [bold]{j['id']}[/bold] (rerun of {job})")
+    (err if as_json else out).print(f"submitted [bold]{safe(j['id'])}[/bold] (rerun of {safe(job)})")
     if wait:
         final = _wait(client, j["id"], quiet=as_json)
         if as_json:
@@ -500,13 +622,15 @@ def pool(as_json: JsonOpt = False) -> None:
     for node in p["nodes"]:
         for g in node["gpus"]:
             table.add_row(
-                node["name"],
-                str(g["index"]),
-                g["holder"],
-                g["job_id"] or "-",
-                g["step"] or "-",
-                g["team"] or "-",
-                _when(g["since"]) if g["since"] else "-",
+                *_cells(
+                    node["name"],
+                    str(g["index"]),
+                    g["holder"],
+                    g["job_id"] or "-",
+                    g["step"] or "-",
+                    g["team"] or "-",
+                    _when(g["since"]) if g["since"] else "-",
+                )
             )
     out.print(table)
 
@@ -528,18 +652,20 @@ def services(
             sig = Table("REPLICA", "RUNNING", "WAITING", "KV", "GEN TOK/S", "TTFT P90", "STALE", title="load")
             for g in d["signals"]:
                 sig.add_row(
-                    g["replica"],
-                    _num(g["running"]),
-                    _num(g["waiting"]),
-                    _pct(g["kv_usage"]),
-                    _num(g["generation_tokens_per_s"]),
-                    _secs(g["ttft_p90_s"]),
-                    g["stale_reason"] if g["stale"] else "-",
+                    *_cells(
+                        g["replica"],
+                        _num(g["running"]),
+                        _num(g["waiting"]),
+                        _pct(g["kv_usage"]),
+                        _num(g["generation_tokens_per_s"]),
+                        _secs(g["ttft_p90_s"]),
+                        g["stale_reason"] if g["stale"] else "-",
+                    )
                 )
             out.print(sig)
         ev = Table("AT", "REPLICA", "EVENT", "MESSAGE", title="events")
         for e in d["events"][-30:]:
-            ev.add_row(_when(e["at"]), e["replica_id"] or "-", e["kind"], e["message"])
+            ev.add_row(*_cells(_when(e["at"]), e["replica_id"] or "-", e["kind"], e["message"]))
         out.print(ev)
         return
     data = _call(client.json, "GET", "/v1/services")
@@ -554,13 +680,13 @@ def services(
     if lending:
         state = "open" if lending["lending_open"] else "closed"
         out.print(
-            f"[bold]lending[/bold] ({lending['mode']}, {state}): {lending['lendable_gpus']} GPU(s) lendable, "
-            f"{lending['inference_claim_gpus']} kept for inference"
+            f"[bold]lending[/bold] ({safe(lending['mode'])}, {state}): {safe(lending['lendable_gpus'])} "
+            f"GPU(s) lendable, {safe(lending['inference_claim_gpus'])} kept for inference"
         )
         for reason in lending["reasons"]:
-            out.print(f"  {reason}")
+            out.print(f"  {safe(reason)}")
         if lending["fail_safe"]:
-            out.print(f"  [red]fail safe:[/red] {lending['fail_safe']}")
+            out.print(f"  [red]fail safe:[/red] {safe(lending['fail_safe'])}")
 
 
 @app.command()
@@ -597,37 +723,41 @@ def reclaims(
     for r in data:
         t0 = r["detected_at"]
         table.add_row(
-            str(r["id"]),
-            r["service"] or "(lending)",
-            _state_style(r["state"]),
-            str(r["gpus"]),
-            ",".join(map(str, r["victims"])),
-            _when(t0),
-            after(r["decided_at"], t0),
-            after(r["notice_at"], t0),
-            after(r["freed_at"], t0),
-            after(r["healthy_at"], t0),
-            r["reason"],
+            *_cells(
+                str(r["id"]),
+                r["service"] or "(lending)",
+                _state_text(r["state"]),
+                str(r["gpus"]),
+                ",".join(map(str, r["victims"])),
+                _when(t0),
+                after(r["decided_at"], t0),
+                after(r["notice_at"], t0),
+                after(r["freed_at"], t0),
+                after(r["healthy_at"], t0),
+                r["reason"],
+            )
         )
     out.print(table)
 
 
 def _print_service(svc: dict[str, Any]) -> None:
     out.print(
-        f"[bold]{svc['name']}[/bold] ({svc['model']}): desired {svc['desired']}, needed {svc['needed']}, "
-        f"target {svc['target']} of {svc['min_replicas']}..{svc['max_replicas']} "
-        f"× {svc['gpus_per_replica']} GPU(s)"
+        f"[bold]{safe(svc['name'])}[/bold] ({safe(svc['model'])}): desired {safe(svc['desired'])}, "
+        f"needed {safe(svc['needed'])}, target {safe(svc['target'])} of "
+        f"{safe(svc['min_replicas'])}..{safe(svc['max_replicas'])} × {safe(svc['gpus_per_replica'])} GPU(s)"
     )
-    out.print(f"  {svc['reason']}")
+    out.print(f"  {safe(svc['reason'])}")
     if svc["blocked"]:
-        out.print(f"  [yellow]blocked:[/yellow] {svc['blocked']}")
+        out.print(f"  [yellow]blocked:[/yellow] {safe(svc['blocked'])}")
     if svc.get("alert"):
-        out.print(f"  [red]alert:[/red] {svc['alert']}")
+        out.print(f"  [red]alert:[/red] {safe(svc['alert'])}")
     table = Table("REPLICA", "STATE", "WHERE", "PORT", "SINCE", "MESSAGE")
     for r in svc["replicas"]:
         where = f"{r['node']}:{','.join(map(str, r['gpus']))}" if r["node"] else "-"
         state = r["state"] + (f" ({r['parked_as']})" if r["parked_as"] else "")
-        table.add_row(r["id"], _state_style(state), where, str(r["port"]), _when(r["since"]), r["message"])
+        table.add_row(
+            *_cells(r["id"], _state_text(state), where, str(r["port"]), _when(r["since"]), r["message"])
+        )
     out.print(table)
 
 
@@ -646,14 +776,31 @@ def _secs(v: float | None) -> str:
 @token_app.command("create")
 def token_create(
     name: Annotated[str, typer.Argument(help="Who the token is for (also its owner unless --owner).")],
-    role: Annotated[str, typer.Option(help="user or admin.")] = "user",
+    role: Annotated[str, typer.Option(help="user, viewer or admin.")] = "user",
     owner: Annotated[str | None, typer.Option(help="Act as this owner (default: NAME).")] = None,
+    team: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--team",
+            help="A team it may submit for and see (repeatable; '*' for all; default: default). "
+            "The first is the team of specs that name none.",
+        ),
+    ] = None,
+    max_priority: Annotated[
+        int | None,
+        typer.Option("--max-priority", min=0, max=100, help="Highest priority it may submit (default: 50)."),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Create an API token (shown once)."""
+    """Create an API token (shown once). Create a second admin token before revoking the first:
+    the last active admin token cannot be revoked."""
     body: dict[str, Any] = {"name": name, "role": role}
     if owner:
         body["owner"] = owner
+    if team:
+        body["teams"] = team
+    if max_priority is not None:
+        body["max_priority"] = max_priority
     t = _call(_client().json, "POST", "/v1/tokens", json=body)
     if as_json:
         _print_json(t)
@@ -669,10 +816,17 @@ def token_list(as_json: JsonOpt = False) -> None:
     if as_json:
         _print_json(ts)
         return
-    table = Table("ID", "NAME", "OWNER", "ROLE", "CREATED", "REVOKED")
+    table = Table("ID", "NAME", "OWNER", "ROLE", "TEAMS", "MAX PRIORITY", "CREATED", "REVOKED")
     for t in ts:
         table.add_row(
-            str(t["id"]), t["name"], t["owner"], t["role"], _when(t["created_at"]), _when(t["revoked_at"])
+            str(t["id"]),
+            safe(t["name"]),
+            safe(t["owner"]),
+            safe(t["role"]),
+            safe(",".join(t.get("teams") or [])),
+            str(t.get("max_priority", "")),
+            _when(t["created_at"]),
+            _when(t["revoked_at"]),
         )
     out.print(table)
 

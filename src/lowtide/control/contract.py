@@ -1,8 +1,9 @@
 """The step contract (docs/architecture.md §6.2): the environment every attempt sees, computed once, here.
 
 Neighbours: the loop calls `step_environment` when it launches an attempt; executors pass the
-result through unchanged (containers by name). Must not: read the process environment, the clock
-or files.
+result through unchanged (containers by name). `parse_checkpoint_label` is the one rule for a
+checkpoint label, whether a step wrote it to LATEST or reported it through the API. Must not: read
+the process environment, the clock or files.
 """
 
 from __future__ import annotations
@@ -77,16 +78,41 @@ def step_environment(
     return env
 
 
-def parse_checkpoint_label(text: str) -> str:
-    """Validate what a step wrote to ``LATEST``: one non-empty line of at most 1024 printable
-    characters naming the checkpoint. Raises ValueError with the reason otherwise."""
+#: The longest checkpoint label (LATEST or the API).
+MAX_LABEL_CHARS = 1024
+
+
+def parse_checkpoint_label(text: str, *, checkpoint_dir: str | None = None) -> str:
+    """Validate a checkpoint label, from ``LATEST`` or the API (one rule for both, §6.2).
+
+    A label is one non-empty line (surrounding whitespace removed) of at most MAX_LABEL_CHARS
+    printable characters (no C0/C1 control characters, no escape sequences, no bidi overrides:
+    labels are shown in terminals) that names the checkpoint, and becomes LOWTIDE_RESUME_FROM of
+    the step's next attempt (`resume_uri`). A relative label must stay inside the step's
+    checkpoint directory: no `..` segment. An absolute path, `file://` or other URL must lie
+    inside `checkpoint_dir`, the step's own checkpoint directory (and is refused when the step
+    has none): otherwise a step could make the next attempt of itself, or through a shared
+    directory of another job, resume from a checkpoint it was never given. Raises ValueError
+    with the reason otherwise; returns the label as it is stored.
+    """
     label = text.strip()
     if not label:
-        raise ValueError("LATEST is empty")
+        raise ValueError("the checkpoint label is empty")
     if "\n" in label or "\r" in label:
-        raise ValueError("LATEST must hold a single line")
-    if len(label) > 1024:
-        raise ValueError("LATEST is longer than 1024 characters")
+        raise ValueError("the checkpoint label must be a single line")
+    if len(label) > MAX_LABEL_CHARS:
+        raise ValueError(f"the checkpoint label is longer than {MAX_LABEL_CHARS} characters")
     if not label.isprintable():
-        raise ValueError("LATEST contains control characters")
+        raise ValueError("the checkpoint label contains control characters")
+    path = label.removeprefix("file://")
+    if ".." in path.split("/"):
+        raise ValueError("the checkpoint label must not contain a '..' segment")
+    if label.startswith(("/", "file://")) or is_remote(label):  # what `resume_uri` takes as is
+        if checkpoint_dir is None:
+            raise ValueError("an absolute checkpoint label needs a checkpoint directory; this step has none")
+        inside = checkpoint_dir.removeprefix("file://").rstrip("/")
+        if ".." in inside.split("/") or not path.startswith(inside + "/"):
+            raise ValueError(
+                f"an absolute checkpoint label must lie inside the step's checkpoint directory {inside}"
+            )
     return label

@@ -1,6 +1,9 @@
 """The control loop: observe → snapshot → decide → act, once per tick (docs/architecture.md §4).
 
 observe: exits reported by the executor, notices owed to cancelled steps, new checkpoints.
+walltime: notice (reason "timeout: ...") to running attempts past their step's `timeout`, which
+`policy.walltime` decides from stored start times and specs only (the same after a restart);
+the next deadline joins `TickReport.next_due`.
 snapshot: the store builds an immutable `Snapshot` with `now` from the injected clock.
 decide: `policy.scheduler.decide` (placement, fair share, backfill) and `policy.dag.advance`.
 act: book each start in the store first (so the next tick cannot double-book), then launch; a
@@ -32,15 +35,26 @@ from lowtide.control.executor_port import (
     AttemptExit,
     Executor,
     ExecutorError,
+    JobUsers,
     LaunchRequest,
     ProcessIdentity,
+    RunAs,
 )
 from lowtide.control.inference import InferenceController, InferenceTick
 from lowtide.control.ports import ArtifactPort, StorePort
-from lowtide.control.records import AttemptLaunch, ExitContext, GpuBusy, NoticeDue, StaleState
+from lowtide.control.records import (
+    AttemptLaunch,
+    AttemptRecord,
+    ExitContext,
+    GpuBusy,
+    NoticeDue,
+    StaleState,
+)
+from lowtide.control.secrets_port import SecretResolver
 from lowtide.domain.gpus import Node
 from lowtide.domain.layout import ArtifactLayout, is_remote, join_uri
 from lowtide.domain.states import AttemptState, StepState
+from lowtide.policy import walltime
 from lowtide.policy.dag import advance
 from lowtide.policy.outcomes import (
     ExitDecision,
@@ -71,6 +85,10 @@ class LoopSettings:
     checkpoint_poll_s: float = 10.0
     api_url: str | None = None
     storage_options: Mapping[str, Any] = field(default_factory=dict)
+    #: Walltime of steps whose spec sets no `timeout` (config `scheduler.default_step_timeout`).
+    default_step_timeout_s: float | None = None
+    #: `executor.run_as` resolved by wiring: each job's steps run as their own uid (§6.4).
+    job_users: JobUsers | None = None
 
 
 @dataclass
@@ -108,8 +126,11 @@ class ControlLoop:
         clock: Clock,
         settings: LoopSettings,
         inference: InferenceController | None = None,
+        secrets: SecretResolver | None = None,
     ) -> None:
         self.store = store
+        #: Reads the values of an attempt's secrets at launch (docs/architecture.md §11).
+        self.secrets = secrets
         self.executor = executor
         self.artifacts = artifacts
         self.clock = clock
@@ -121,6 +142,11 @@ class ControlLoop:
         self._checkpoint_polled: dict[int, float] = {}
         self._bad_latest: dict[int, str] = {}
         self._swept_at = -math.inf
+        # Walltime budgets of running attempts and the timeouts of their jobs' specs: caches of
+        # what the store keeps (rebuilt from it after a restart), pruned to the active attempts.
+        self._budgets: dict[int, walltime.WalltimeBudget] = {}
+        self._job_timeouts: dict[tuple[str, str], walltime.JobTimeouts] = {}
+        self._start_deadlines: list[float] = []  # deadlines of the attempts this tick started
         self._ticks = 0
         self.errors_total = 0
         self._wake = threading.Event()
@@ -191,7 +217,8 @@ class ControlLoop:
                 report.errors += 1
                 log.exception("handling the exit of attempt %s failed", ex.attempt_id)
 
-        self._guard(report, "checkpoint poll", lambda: self._poll_checkpoints(now), None)
+        active: list[AttemptRecord] = self._guard(report, "active attempts", self.store.active_attempts, [])
+        self._guard(report, "checkpoint poll", lambda: self._poll_checkpoints(now, active), None)
         self._guard(report, "DAG advance", lambda: self._advance_dirty(now), None)
 
         snapshot = self.store.snapshot(
@@ -228,9 +255,17 @@ class ControlLoop:
             except Exception:
                 report.errors += 1
                 log.exception("giving notice to attempt %s failed", due.attempt_id)
+        # Notice to attempts past their walltime (not to those just given notice above).
+        noticed = {due.attempt_id for due in dues}
+        timeout_due = self._guard(
+            report, "walltime", lambda: self._enforce_walltime(active, noticed, now, report), None
+        )
+        if timeout_due is not None:
+            due_times.append(timeout_due)
 
         plan = decide(snapshot, self.settings.scheduler)
         self.last_plan = plan
+        self._start_deadlines = []
         for start in plan.starts:
             try:
                 if self._start(start, now):
@@ -238,6 +273,7 @@ class ControlLoop:
             except Exception:
                 report.errors += 1
                 log.exception("starting %s/%s failed", start.job_id, start.step)
+        due_times.extend(self._start_deadlines)
         report.waiting = len(plan.waiting)
         self._guard(report, "waiting reasons", lambda: self._write_reasons(plan), None)
         # Exits, notices and starts are settled within this tick; what is not (a failed item, a
@@ -284,6 +320,7 @@ class ControlLoop:
     def _on_exit(self, ex: AttemptExit) -> None:
         ctx = self.store.exit_context(ex.attempt_id)
         self._read_latest(ctx, ex.ended_at)
+        timed_out = self._walltime_verdict(ctx, ex.ended_at)
         for _ in range(3):
             decision = classify_exit(
                 step_state=ctx.step_state,
@@ -297,6 +334,8 @@ class ControlLoop:
                 retry=self.settings.retry,
                 preemptions=ctx.preemptions,
                 max_preemptions=ctx.max_preemptions,
+                infrastructure=ex.infrastructure,
+                timed_out=timed_out,
             )
             if self._finish(ctx, decision, ex):
                 break
@@ -304,10 +343,18 @@ class ControlLoop:
         self._dirty_jobs.add(ctx.job_id)
         self._checkpoint_polled.pop(ex.attempt_id, None)
         self._bad_latest.pop(ex.attempt_id, None)
+        self._budgets.pop(ex.attempt_id, None)
 
     def _on_lost(self, attempt_id: int, now: float) -> None:
         ctx = self.store.exit_context(attempt_id)
-        decision = classify_lost(step_state=ctx.step_state, retries_used=ctx.retries_used)
+        timed_out = None
+        if ctx.attempt_state == AttemptState.STOPPING:  # lost after its timeout notice: FAILED
+            att = self.store.attempt(attempt_id)
+            if walltime.is_timeout_stop(att.stop_reason):
+                timed_out = walltime.timed_out(self._budget(att), ended_at=now, stop_reason=att.stop_reason)
+        decision = classify_lost(
+            step_state=ctx.step_state, retries_used=ctx.retries_used, timed_out=timed_out
+        )
         self._finish(ctx, decision, AttemptExit(attempt_id, None, None, now))
 
     def _finish(self, ctx: ExitContext, decision: ExitDecision, ex: AttemptExit) -> bool:
@@ -335,9 +382,107 @@ class ControlLoop:
             attempt_id, deadline=deadline, reason=f"{reason}: notice given, deadline in {grace:g}s", now=now
         )
 
-    def _poll_checkpoints(self, now: float) -> None:
+    # -- walltime (policy.walltime) --------------------------------------------------------------
+
+    def _enforce_walltime(
+        self, active: list[AttemptRecord], noticed: set[int], now: float, report: TickReport
+    ) -> float | None:
+        """Give notice to the running attempts past their step's walltime; return the next
+        deadline (for `next_due`). Deadlines derive from stored start times and specs only."""
+        budgets: list[walltime.WalltimeBudget] = []
+        for att in active:
+            if att.state != AttemptState.RUNNING or att.id in noticed:
+                continue
+            try:
+                budgets.append(self._budget(att))
+            except Exception:
+                report.errors += 1
+                log.exception("reading the walltime of attempt %s failed", att.id)
+        live = {att.id for att in active}
+        steps = {(att.job_id, att.step_name) for att in active}
+        self._budgets = {k: v for k, v in self._budgets.items() if k in live}
+        self._job_timeouts = {k: v for k, v in self._job_timeouts.items() if k in steps}
+        for budget in walltime.overdue(budgets, now):
+            try:
+                if self._give_timeout_notice(budget, now):
+                    report.notices += 1
+            except Exception:
+                report.errors += 1
+                log.exception("giving timeout notice to attempt %s failed", budget.attempt_id)
+        return walltime.next_deadline(budgets, now)
+
+    def _give_timeout_notice(self, budget: walltime.WalltimeBudget, now: float) -> bool:
+        att_id = budget.attempt_id
+        deadline = now + budget.grace_s
+        # Notice first, then the record (as `_give_notice`): a crash in between re-sends notice.
+        self.executor.notify_stop(budget.attempt_id, deadline, now)
+        try:
+            self.store.mark_stopping(
+                budget.attempt_id, deadline=deadline, reason=walltime.stop_reason(budget), now=now
+            )
+        except StaleState as exc:  # it ended or got notice meanwhile: nothing more to do
+            log.info("attempt %s: no timeout notice recorded: %s", budget.attempt_id, exc)
+            return False
+        self.store.set_waiting_reasons({(budget.job_id, budget.step): walltime.stopping_reason(budget)})
+        log.info("%s/%s attempt %s: walltime spent, notice given", budget.job_id, budget.step, att_id)
+        return True
+
+    def _walltime_verdict(self, ctx: ExitContext, ended_at: float) -> str | None:
+        """The verdict "timed out after ..." when the attempt that ended was stopped for its walltime or spent
+        its step's budget (`policy.walltime.timed_out`), else None."""
+        budget = self._budgets.get(ctx.attempt_id)
+        stop_reason = None
+        if ctx.attempt_state == AttemptState.STOPPING:  # the stop reason says why it had notice
+            att = self.store.attempt(ctx.attempt_id)
+            stop_reason = att.stop_reason
+            budget = budget or self._budget(att)
+        return walltime.timed_out(budget, ended_at=ended_at, stop_reason=stop_reason)
+
+    def _budget(self, att: AttemptRecord) -> walltime.WalltimeBudget:
+        return self._make_budget(
+            att.id, att.job_id, att.step_name, att.number, att.started_at, lambda: att.record
+        )
+
+    def _make_budget(
+        self,
+        attempt_id: int,
+        job_id: str,
+        step: str,
+        number: int,
+        started_at: float,
+        record: Callable[[], Mapping[str, Any]],
+    ) -> walltime.WalltimeBudget:
+        """An attempt's walltime budget, from its stored spec (`record()["spec"]`, read once per
+        step: the step's timeout, else the job's, else the configured default) and the running
+        times of the step's earlier attempts."""
+        budget = self._budgets.get(attempt_id)
+        if budget is not None:
+            return budget
+        timeouts = self._job_timeouts.get((job_id, step))
+        if timeouts is None:
+            timeouts = walltime.job_timeouts(record().get("spec") or {})
+            self._job_timeouts[(job_id, step)] = timeouts
+        limit = timeouts.limit(step, self.settings.default_step_timeout_s)
+        used = 0.0
+        if limit is not None and number > 1:
+            earlier = self.store.step_attempts(job_id, step)
+            used = walltime.used_before(((a.number, a.started_at, a.ended_at) for a in earlier), number)
+        budget = walltime.WalltimeBudget(
+            attempt_id=attempt_id,
+            job_id=job_id,
+            step=step,
+            number=number,
+            started_at=started_at,
+            limit_s=limit,
+            used_before_s=used,
+            grace_s=timeouts.grace_s,
+        )
+        self._budgets[attempt_id] = budget
+        return budget
+
+    def _poll_checkpoints(self, now: float, active: list[AttemptRecord]) -> None:
         every = self.settings.checkpoint_poll_s
-        for att in self.store.active_attempts():
+        for att in active:
             if now - self._checkpoint_polled.get(att.id, -1e18) < every:
                 continue
             self._checkpoint_polled[att.id] = now
@@ -362,7 +507,7 @@ class ControlLoop:
             text = self.artifacts.read_text(uri, max_bytes=LATEST_MAX_BYTES)
             if text is None:
                 return
-            label = parse_checkpoint_label(text)
+            label = parse_checkpoint_label(text, checkpoint_dir=ckpt_dir)
         except ValueError as exc:
             problem = str(exc)
             if self._bad_latest.get(attempt_id) != problem:
@@ -425,12 +570,30 @@ class ControlLoop:
             self._launch_failed(launch, f"{type(exc).__name__}: {exc}", False, now)
             return False
         self.store.set_attempt_process(launch.attempt_id, identity)
+        try:  # its walltime deadline joins this tick's `next_due` (the scan sees it from next tick)
+            budget = self._make_budget(
+                launch.attempt_id,
+                launch.job_id,
+                launch.step,
+                launch.number,
+                now,
+                lambda: self.store.attempt(launch.attempt_id).record,
+            )
+            if budget.deadline is not None:
+                self._start_deadlines.append(budget.deadline)
+        except Exception:
+            log.exception("reading the walltime of attempt %s failed; the next tick does", launch.attempt_id)
         return True
 
     def _launch_request(self, launch: AttemptLaunch, now: float) -> LaunchRequest:
         resolved = launch.resolved
+        secret_env = self._secret_env(launch)  # values go into the request's env only, never logged
+        # With per-job uids the executor makes a local job dir's subdirs as the job's (§6.4).
+        private = self.settings.job_users is not None and not is_remote(
+            self.settings.layout.job_root(launch.job_id)
+        )
         for uri in (resolved.outputs, resolved.checkpoint_dir):
-            if uri:
+            if uri and not private:
                 self.artifacts.ensure_dir(uri)
         _, token = self.store.create_token(
             name=f"{launch.job_id}/{launch.step}#{launch.number}",
@@ -455,6 +618,7 @@ class ControlLoop:
             step_token=token,
             storage_options=self.settings.storage_options,
         )
+        env = {**env, **secret_env}
         mounts = tuple(
             u
             for u in (resolved.outputs, resolved.checkpoint_dir, *resolved.inputs.values())
@@ -474,7 +638,30 @@ class ControlLoop:
             log_path=self.settings.layout.attempt_log(launch.job_id, launch.step, launch.number),
             notice_path=notice,
             mounts=mounts,
+            run_as=self._run_as(launch.job_id),
+            job_dir=None if is_remote(job_dir := self.settings.layout.job_root(launch.job_id)) else job_dir,
         )
+
+    def _run_as(self, job_id: str) -> RunAs | None:
+        """The job's own Unix identity (docs/architecture.md §6.4); ExecutorError (permanent)
+        when its serial has no uid left."""
+        users = self.settings.job_users
+        if users is None:
+            return None
+        try:
+            return users.for_job(self.store.job_serial(job_id))
+        except ValueError as exc:
+            raise ExecutorError(str(exc), temporary=False) from exc
+
+    def _secret_env(self, launch: AttemptLaunch) -> dict[str, str]:
+        """The values of the attempt's secrets by variable; ExecutorError (permanent) when one
+        cannot be read, or when no resolver is configured."""
+        uses = launch.resolved.secrets
+        if not uses:
+            return {}
+        if self.secrets is None:
+            raise ExecutorError("this lowtide has no secrets configured (config secrets:)", temporary=False)
+        return self.secrets.environment(uses)
 
     def _launch_failed(self, launch: AttemptLaunch, message: str, temporary: bool, now: float) -> None:
         ctx = self.store.exit_context(launch.attempt_id)

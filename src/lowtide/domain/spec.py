@@ -20,6 +20,21 @@ DEFAULT_RESTART_SECONDS = 60.0
 
 
 @dataclass(frozen=True, slots=True)
+class SecretUse:
+    """A secret named by reference (`secrets:` of a job or step): the operator's secret `name`,
+    put in the step's environment as `env` (None: the variable the operator configured for it).
+    Only the name is ever stored; the value is read at launch (docs/architecture.md §11)."""
+
+    name: str
+    env: str | None = None
+
+
+def secrets_document(uses: tuple[SecretUse, ...]) -> list[Any]:
+    """`secrets:` as written in a spec: a name, or a one-key mapping {ENV_VAR: name}, per use."""
+    return [u.name if u.env is None else {u.env: u.name} for u in uses]
+
+
+@dataclass(frozen=True, slots=True)
 class StepSpec:
     """One step of a job: a command (or container image), its GPUs and its upstream steps."""
 
@@ -37,6 +52,11 @@ class StepSpec:
     max_preemptions: int | None = None
     #: Seconds a restart costs (reload, warm-up): part of the cost of choosing it as a victim.
     restart_seconds: float = DEFAULT_RESTART_SECONDS
+    #: Walltime: seconds of running time over all its attempts (`policy.walltime`); None: the
+    #: job's `timeout`, else the configured default.
+    timeout: float | None = None
+    #: Secrets by reference, on top of the job's `secrets` (names only; values at launch).
+    secrets: tuple[SecretUse, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +71,10 @@ class JobSpec:
     max_retries: int = 0
     params: Mapping[str, Any] = field(default_factory=dict)
     template: str | None = None  # the template it was expanded from, for the record
+    #: The walltime of steps that set no `timeout` (None: the configured default).
+    timeout: float | None = None
+    #: Secrets every step gets (by reference; a step's own `secrets` add to them).
+    secrets: tuple[SecretUse, ...] = ()
 
     def step(self, name: str) -> StepSpec:
         for step in self.steps:
@@ -72,6 +96,10 @@ class JobSpec:
             "params": dict(self.params),
             "steps": [],
         }
+        if self.timeout is not None:
+            doc["timeout"] = self.timeout
+        if self.secrets:
+            doc["secrets"] = secrets_document(self.secrets)
         for step in self.steps:
             s: dict[str, Any] = {"name": step.name, "command": list(step.command), "gpus": step.gpus}
             if step.image is not None:
@@ -90,6 +118,10 @@ class JobSpec:
                 s["max_preemptions"] = step.max_preemptions
             if step.restart_seconds != DEFAULT_RESTART_SECONDS:
                 s["restart_seconds"] = step.restart_seconds
+            if step.timeout is not None:
+                s["timeout"] = step.timeout
+            if step.secrets:
+                s["secrets"] = secrets_document(step.secrets)
             doc["steps"].append(s)
         return doc
 
@@ -106,3 +138,5 @@ class ResolvedStep:
     inputs: Mapping[str, str]  # upstream step name -> its outputs URI
     outputs: str  # this step's outputs URI (stable across attempts)
     checkpoint_dir: str | None  # stable across attempts; None unless `checkpoint: true`
+    #: The job's and the step's secrets, by reference: the loop resolves them at launch.
+    secrets: tuple[SecretUse, ...] = ()

@@ -14,12 +14,15 @@ Must not: build `JobSpec`s, raise for a bad spec (collect instead), read files, 
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from lowtide.domain.spec import DEFAULT_RESTART_SECONDS
 from lowtide.domain.spec_issues import (
+    EXCERPT_CHARS,
     IDENT_RE,
     IDENT_RULE,
     Issues,
@@ -27,12 +30,13 @@ from lowtide.domain.spec_issues import (
     check_keys,
     check_name,
     check_seconds,
+    excerpt,
     kind,
     suggest,
 )
 from lowtide.domain.spec_render import PLACEHOLDER_FORMS, PLACEHOLDER_RE, transitive
 
-__all__ = ["CheckedStep", "check_placeholders", "check_steps"]
+__all__ = ["MAX_TIMEOUT_SECONDS", "CheckedStep", "check_placeholders", "check_steps", "check_timeout"]
 
 _STEP_KEYS = (
     "name",
@@ -46,6 +50,8 @@ _STEP_KEYS = (
     "min_runtime",
     "max_preemptions",
     "restart_seconds",
+    "timeout",
+    "secrets",  # by reference; checked by spec_parse (docs/architecture.md §11)
 )
 _RESERVED_ENV_PREFIX = "LOWTIDE_"
 _RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES"})
@@ -70,6 +76,54 @@ class CheckedStep:
     min_runtime: float = 0.0
     max_preemptions: int | None = None
     restart_seconds: float = DEFAULT_RESTART_SECONDS
+    timeout: float | None = None
+
+
+#: The longest walltime a spec may set (366 days); no `timeout` at all means no limit.
+MAX_TIMEOUT_SECONDS = 366 * 86400.0
+_TIMEOUT_RULE = "a number of seconds or a duration such as '90m', '2h', '1h30m' or '3d'"
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*([dhms])")
+_DURATION_TEXT = re.compile(r"(?:\d+(?:\.\d+)?\s*[dhms]\s*)+")
+_NUMBER_TEXT = re.compile(r"\d+(?:\.\d+)?")
+_UNIT_SECONDS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
+
+
+def check_timeout(value: object, loc: str, issues: Issues) -> float | None:
+    """A walltime (`timeout` of a job or a step) in seconds, else None, reported.
+
+    Accepted: a positive number of seconds, or a duration text such as "90m", "2h", "1h30m",
+    "1.5h" or "3d" (units d, h, m, s; a bare number is seconds); at most MAX_TIMEOUT_SECONDS.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        issues.add(loc, f"must be {_TIMEOUT_RULE}, got {kind(value)}")
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        if len(text) > 64:  # no duration is that long; never scan a megabyte
+            seconds = math.nan
+        elif _NUMBER_TEXT.fullmatch(text):
+            seconds = float(text)
+        elif _DURATION_TEXT.fullmatch(text):
+            seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in _DURATION_PART.findall(text))
+        else:
+            seconds = math.nan
+        if math.isnan(seconds):
+            issues.add(loc, f"must be {_TIMEOUT_RULE}, got {excerpt(value)}")
+            return None
+    elif isinstance(value, int) and value > MAX_TIMEOUT_SECONDS:  # compared as int: no float overflow
+        seconds = math.inf
+    else:
+        seconds = float(value)
+    if math.isnan(seconds):
+        issues.add(loc, "must be a finite number of seconds, got nan")
+        return None
+    if seconds <= 0:
+        issues.add(loc, f"must be more than 0 seconds (leave it out for no limit), got {excerpt(value)}")
+        return None
+    if seconds > MAX_TIMEOUT_SECONDS:
+        issues.add(loc, f"must be at most {MAX_TIMEOUT_SECONDS:.0f} seconds (366 days), got {excerpt(value)}")
+        return None
+    return seconds
 
 
 def _check_command(value: object, loc: str, issues: Issues) -> list[str]:
@@ -103,7 +157,7 @@ def _check_env(value: object, loc: str, issues: Issues) -> dict[str, str]:
     for name, item in value.items():
         at = f"{loc}.{name}"
         if not isinstance(name, str) or not IDENT_RE.fullmatch(name):
-            issues.add(at, f"{name!r} is not a valid environment variable name: use {IDENT_RULE}")
+            issues.add(at, f"{excerpt(name)} is not a valid environment variable name: use {IDENT_RULE}")
             continue
         if name.upper().startswith(_RESERVED_ENV_PREFIX) or name in _RESERVED_ENV:
             issues.add(
@@ -173,6 +227,8 @@ def _check_step(
     for key in ("min_runtime", "restart_seconds"):
         if key in raw and (seconds := check_seconds(raw[key], f"{loc}.{key}", issues)) is not None:
             setattr(step, key, seconds)
+    if "timeout" in raw:
+        step.timeout = check_timeout(raw["timeout"], f"{loc}.timeout", issues)
     if "env" in raw:
         step.env = _check_env(raw["env"], f"{loc}.env", issues)
     if "depends" in raw:
@@ -197,7 +253,7 @@ def _check_depends(step: CheckedStep, known: Mapping[str, int], issues: Issues) 
             issues.add(at, "a step cannot depend on itself")
         elif dep not in known:
             hint = suggest(dep, list(known)) or f" (steps: {', '.join(known)})"
-            issues.add(at, f"unknown step {dep!r}{hint}")
+            issues.add(at, f"unknown step {excerpt(dep)}{hint}")
         elif dep in out:
             issues.add(at, f"duplicate dependency {dep!r}")
         else:
@@ -295,8 +351,11 @@ def _check_cycles(steps: Sequence[CheckedStep], issues: Issues) -> None:
 
 
 def check_steps(
-    doc: Mapping[str, Any], prefix: str, issues: Issues, max_gpus: int | None
+    doc: Mapping[str, Any], prefix: str, issues: Issues, max_gpus: int | None, max_steps: int | None = None
 ) -> list[CheckedStep] | None:
+    """The document's steps as checked; None when there are none to check. `max_steps` (config
+    `scheduler.max_steps_per_job`) bounds their number: a longer list is reported at `steps` and
+    not checked further (a 10,000-step spec over the limit costs one check, not 10,000)."""
     loc = prefix + "steps"
     if "steps" not in doc:
         issues.add(
@@ -309,6 +368,9 @@ def check_steps(
         return None
     if not raw_steps:
         issues.add(loc, "must contain at least one step")
+        return None
+    if max_steps is not None and len(raw_steps) > max_steps:
+        issues.add(loc, f"{len(raw_steps)} steps; the limit is {max_steps} (scheduler.max_steps_per_job)")
         return None
     steps = [
         step
@@ -342,6 +404,7 @@ def check_placeholders(steps: Sequence[CheckedStep], params: Sequence[str], issu
     def check(text: str, loc: str, step: CheckedStep, upstream: frozenset[str]) -> None:
         for match in PLACEHOLDER_RE.finditer(text):
             inner, shown = match.group(1), match.group(0)
+            shown = shown if len(shown) <= EXCERPT_CHARS else shown[:EXCERPT_CHARS] + "…"
             if inner in ("outputs", "job.id", "job.name", "step.name"):
                 continue
             if inner.startswith("params."):
@@ -350,12 +413,12 @@ def check_placeholders(steps: Sequence[CheckedStep], params: Sequence[str], issu
                     defined = (
                         f"defined: {', '.join(sorted(params))}" if params else "no parameters are defined"
                     )
-                    issues.add(loc, f"unknown parameter {name!r} in {shown} ({defined})")
+                    issues.add(loc, f"unknown parameter {excerpt(name)} in {shown} ({defined})")
             elif inner.startswith("inputs."):
                 name = inner.removeprefix("inputs.")
                 if name not in step_names:
                     hint = suggest(name, step_names) or f" (steps: {', '.join(step_names)})"
-                    issues.add(loc, f"unknown step {name!r} in {shown}{hint}")
+                    issues.add(loc, f"unknown step {excerpt(name)} in {shown}{hint}")
                 elif name == step.name:
                     issues.add(loc, f"{shown} is the step's own output: use {{{{outputs}}}}")
                 elif name not in upstream:

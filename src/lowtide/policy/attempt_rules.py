@@ -125,8 +125,9 @@ def queued_step(
     team: str,
     priority: int,
     submitted_at: float,
+    owner: str = "",
 ) -> QueuedStep:
-    """The scheduler's view of a step in `QUEUED_STEP_STATES`."""
+    """The scheduler's view of a step in `QUEUED_STEP_STATES`; `owner` is the job's submitter."""
     return QueuedStep(
         job_id=job_id,
         step=step,
@@ -138,6 +139,7 @@ def queued_step(
         eligible_at=eligible_at,
         preempted=state == StepState.PREEMPTED,
         retry_note=retry_note(retries_used, max_retries),
+        owner=owner,
     )
 
 
@@ -156,6 +158,7 @@ def running_step(
     last_checkpoint_at: float | None,
     min_runtime: float,
     restart_seconds: float,
+    owner: str = "",
 ) -> RunningStep:
     """The scheduler's (and the reclaimer's) view of an attempt in `ACTIVE_ATTEMPT_STATES`."""
     return RunningStep(
@@ -171,6 +174,7 @@ def running_step(
         min_runtime=min_runtime,
         restart_seconds=restart_seconds,
         stopping=is_stopping(attempt_state, step_state),
+        owner=owner,
     )
 
 
@@ -205,9 +209,10 @@ def reproducibility_record(
     node: str,
     gpus: Sequence[int],
 ) -> dict[str, Any]:
-    """What an attempt ran, kept with it: the spec, the resolved step, where, and what it resumed."""
+    """What an attempt ran, kept with it: the job's spec scoped to this step (`step_scoped_spec`),
+    the resolved step, where, and what it resumed."""
     return {
-        "spec": spec,
+        "spec": step_scoped_spec(spec, resolved.name),
         "resolved": resolved_doc,
         "params": launch_params(spec),
         "image": resolved.image,
@@ -218,6 +223,19 @@ def reproducibility_record(
         "node": node,
         "gpus": list(gpus),
     }
+
+
+def step_scoped_spec(spec: Mapping[str, Any], step: str) -> dict[str, Any]:
+    """The job's spec with only `step` in its ``steps``: every job-level field an attempt ran
+    under, without a copy of every other step (a 10,000-step job would store the whole spec with
+    each of its attempts: quadratic in the number of steps). The job keeps the full spec."""
+    steps = spec.get("steps")
+    mine = (
+        [s for s in steps if isinstance(s, Mapping) and s.get("name") == step]
+        if isinstance(steps, list)
+        else []
+    )
+    return {**{k: v for k, v in spec.items() if k != "steps"}, "steps": mine}
 
 
 def start_message(number: int, node: str, gpus: Sequence[int]) -> str:

@@ -8,6 +8,12 @@ PREEMPTED: requeued without backoff and without using a retry (after `max_preemp
 preemptions, if the step sets one, it FAILS instead). An attempt lost while the control
 plane was down is requeued without using a retry (it is not the step's fault). An attempt that
 ends before its notice went out ended on its own: its exit code decides (`noticed=False`).
+A step whose walltime is spent (`timed_out`, the verdict of `policy.walltime`) and that did not
+exit 0 is FAILED with that verdict, without a retry or a requeue (like Slurm's TIMEOUT); only a
+cancellation comes before it.
+An attempt that ended because the machinery failed (`infrastructure` set: a container engine's
+exit 125, docs/architecture.md §6.4) is not the step's failure: requeued after a backoff without
+using a retry, like a temporary launch failure (unless the step was being stopped anyway).
 Neighbours: the loop classifies each exit with `classify_exit` and hands the decision to the store.
 Must not: read the clock (`now` is passed in) or touch the store.
 """
@@ -63,8 +69,19 @@ def classify_exit(
     retry: RetryPolicy,
     preemptions: int = 0,
     max_preemptions: int | None = None,
+    infrastructure: str | None = None,
+    timed_out: str | None = None,
 ) -> ExitDecision:
     how = describe_exit(exit_code, signal, killed_at_deadline)
+    if infrastructure is not None and step_state == StepState.RUNNING and not killed_at_deadline:
+        return ExitDecision(
+            AttemptState.FAILED,
+            StepState.READY,
+            retries_used,
+            now + retry.delay(1),
+            f"{infrastructure}; not the step's failure, will try again",
+            requeued=True,
+        )
     ok = exit_code == 0 and not killed_at_deadline
     # Without notice the process ended on its own: its exit says succeeded or failed, even if a
     # stop was requested in the meantime. Only an exit after notice counts as "interrupted".
@@ -73,6 +90,12 @@ def classify_exit(
     if step_state == StepState.CANCELLING:
         attempt = AttemptState.SUCCEEDED if ok else stopped
         return ExitDecision(attempt, StepState.CANCELLED, retries_used, 0.0, f"cancelled ({how})")
+
+    if timed_out is not None and not ok:  # walltime spent (`policy.walltime`): no retry, no requeue
+        preempted = step_state == StepState.PREEMPTING and noticed
+        return ExitDecision(
+            stopped, StepState.FAILED, retries_used, 0.0, f"{timed_out}; {how}", preempted=preempted
+        )
 
     if step_state == StepState.PREEMPTING and noticed:
         if ok:
@@ -119,11 +142,16 @@ def classify_exit(
     return ExitDecision(AttemptState.FAILED, StepState.FAILED, retries_used, 0.0, f"failed ({how}){suffix}")
 
 
-def classify_lost(*, step_state: StepState, retries_used: int) -> ExitDecision:
-    """The process vanished while the control plane was down: requeue without using a retry."""
+def classify_lost(*, step_state: StepState, retries_used: int, timed_out: str | None = None) -> ExitDecision:
+    """The process vanished while the control plane was down: requeue without using a retry
+    (unless it had been given notice for its timeout: then FAILED, `policy.walltime`)."""
     if step_state == StepState.CANCELLING:
         return ExitDecision(
             AttemptState.LOST, StepState.CANCELLED, retries_used, 0.0, "cancelled (process lost)"
+        )
+    if timed_out is not None:
+        return ExitDecision(
+            AttemptState.LOST, StepState.FAILED, retries_used, 0.0, f"{timed_out}; process lost"
         )
     if step_state == StepState.PREEMPTING:
         return ExitDecision(

@@ -19,12 +19,17 @@ from datetime import datetime
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
-from lowtide.config import ConfigError, Settings, lending_policy, load_settings, service_spec
+from lowtide.config import (
+    ConfigError,
+    Settings,
+    lending_policy,
+    load_settings,
+    scheduler_policy,
+    service_spec,
+)
 from lowtide.control.inference import ServiceSetup
 from lowtide.domain.gpus import Node
 from lowtide.domain.services import AutoscaleTargets, LendingPolicy, ServiceSpec
-from lowtide.policy.fairshare import FairSharePolicy
-from lowtide.policy.scheduler import SchedulerPolicy
 from lowtide.sim.capacity import derive_replica_capacity
 from lowtide.sim.jobs import ResearchJob
 from lowtide.sim.load import LoadCurve
@@ -171,13 +176,8 @@ def cluster_scenario(
             )
         )
     lending = lending_policy(settings)
-    scheduler = SchedulerPolicy(
-        fair_share=FairSharePolicy(
-            half_life_s=settings.scheduler.fair_share_half_life,
-            team_weights=dict(settings.scheduler.team_weights),
-        ),
-        max_reservations=settings.scheduler.max_reservations,
-    )
+    # Simulated nodes are not this host: `max_cpu_steps_per_node: auto` sets no limit there.
+    scheduler = scheduler_policy(settings, cpus_per_node=None)
     window = lending.windows or (DEFAULT_WINDOW,)
     return Scenario(
         nodes=tuple(nodes),

@@ -71,6 +71,7 @@ class AttemptsRepo(StoreBase):
                     jobs.c.team,
                     jobs.c.priority,
                     jobs.c.submitted_at,
+                    jobs.c.owner,
                 )
                 .select_from(steps.join(jobs, jobs.c.id == steps.c.job_id))
                 .where(steps.c.state.in_(_QUEUED))
@@ -91,6 +92,7 @@ class AttemptsRepo(StoreBase):
                     steps.c.last_checkpoint_at,
                     steps.c.min_runtime,
                     steps.c.restart_seconds,
+                    jobs.c.owner,
                 )
                 .select_from(
                     attempts.join(jobs, jobs.c.id == attempts.c.job_id).join(
@@ -114,6 +116,7 @@ class AttemptsRepo(StoreBase):
                 team=r.team,
                 priority=r.priority,
                 submitted_at=r.submitted_at,
+                owner=r.owner,
             )
             for r in queued_rows
         )
@@ -132,6 +135,7 @@ class AttemptsRepo(StoreBase):
                 last_checkpoint_at=r.last_checkpoint_at,
                 min_runtime=r.min_runtime,
                 restart_seconds=r.restart_seconds,
+                owner=r.owner,
             )
             for r in running_rows
         )

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lowtide.control.records import AttemptRecord, JobRecord, StepRecord
-from lowtide.domain.spec import ResolvedStep
+from lowtide.domain.spec import ResolvedStep, SecretUse
 from lowtide.domain.states import AttemptState, JobState, StepState
 
 
@@ -25,6 +25,8 @@ def resolved_to_doc(r: ResolvedStep) -> dict[str, Any]:
         "inputs": dict(r.inputs),
         "outputs": r.outputs,
         "checkpoint_dir": r.checkpoint_dir,
+        # By reference only (docs/architecture.md §11): names, never values.
+        "secrets": [{"name": u.name, "env": u.env} for u in r.secrets],
     }
 
 
@@ -38,6 +40,7 @@ def resolved_from_doc(doc: Mapping[str, Any]) -> ResolvedStep:
         inputs=dict(doc.get("inputs") or {}),
         outputs=doc["outputs"],
         checkpoint_dir=doc.get("checkpoint_dir"),
+        secrets=tuple(SecretUse(u["name"], u.get("env")) for u in doc.get("secrets") or ()),
     )
 
 

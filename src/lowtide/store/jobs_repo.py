@@ -23,6 +23,7 @@ from lowtide.control.records import (
     EventRecord,
     JobDetail,
     JobRecord,
+    JobScope,
     NewJob,
     NotFound,
 )
@@ -121,8 +122,13 @@ class JobsRepo(StoreBase):
         name: str | None = None,
         limit: int = 100,
         before: float | None = None,
+        visible_to: JobScope | None = None,
     ) -> list[JobRecord]:
+        """Newest first; `visible_to` keeps only the jobs that scope may see (its owner's, its
+        teams'), in the query, so `limit` counts visible jobs (docs/architecture.md §11)."""
         q = sa.select(jobs).order_by(jobs.c.submitted_at.desc(), jobs.c.id.desc()).limit(limit)
+        if visible_to is not None and not visible_to.all_teams:
+            q = q.where(sa.or_(jobs.c.owner == visible_to.owner, jobs.c.team.in_(visible_to.teams)))
         if states:
             q = q.where(jobs.c.state.in_([s.value for s in states]))
         if team:
@@ -236,6 +242,15 @@ class JobsRepo(StoreBase):
                 .order_by(attempts.c.number)
             ).all()
         return [attempt_record(r) for r in rows]
+
+    def job_serial(self, job_id: str) -> int:
+        """A number unique to the job and stable for its life: its smallest step id (ids are
+        never reused). The executor derives the job's Unix uid from it (docs/architecture.md §6.4)."""
+        with self._read() as conn:
+            serial = conn.execute(sa.select(sa.func.min(steps.c.id)).where(steps.c.job_id == job_id)).scalar()
+        if serial is None:
+            raise NotFound(f"job '{job_id}' not found")
+        return int(serial)
 
 
 def _step_counts(conn: Connection, job_ids: list[str]) -> dict[str, dict[str, int]]:

@@ -212,6 +212,7 @@ class MemoryBase:
                     team=job.team,
                     priority=job.priority,
                     submitted_at=job.submitted_at,
+                    owner=job.owner,
                 ),
             )
         else:
@@ -248,6 +249,7 @@ class MemoryBase:
                 last_checkpoint_at=step.last_checkpoint_at,
                 min_runtime=step.min_runtime,
                 restart_seconds=step.restart_seconds,
+                owner=job.owner,
             ),
         )
         if rules.notice_due(att.state, step.state):

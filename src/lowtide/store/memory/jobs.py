@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from lowtide.control.records import AttemptRecord, JobDetail, JobRecord, NewJob, NotFound
+from lowtide.control.records import AttemptRecord, JobDetail, JobRecord, JobScope, NewJob, NotFound
 from lowtide.domain.states import STEP_LIFECYCLE, JobState, StepState
 from lowtide.policy.job_rules import (
     CANCEL_MOVES,
@@ -92,9 +92,10 @@ class JobsPart(MemoryBase):
         name: str | None = None,
         limit: int = 100,
         before: float | None = None,
+        visible_to: JobScope | None = None,
     ) -> list[JobRecord]:
         """Newest first (submitted_at, then id, descending). A negative `limit` means no limit
-        (as SQLite reads it)."""
+        (as SQLite reads it). `visible_to` keeps only the jobs that scope may see."""
         wanted = {JobState(s) for s in states}
         out: list[JobRecord] = []
         with self._lock:
@@ -108,6 +109,7 @@ class JobsPart(MemoryBase):
                     or (team and job.team != team)
                     or (owner and job.owner != owner)
                     or (name and job.name != name)
+                    or (visible_to is not None and not visible_to.allows(owner=job.owner, team=job.team))
                 ):
                     continue
                 out.append(job_record(job, step_counts(s.state for s in job.steps)))
@@ -163,3 +165,11 @@ class JobsPart(MemoryBase):
         with self._lock:
             row = self._step_row(job_id, step)
             return [self._attempt_record(a) for a in row.attempts]
+
+    def job_serial(self, job_id: str) -> int:
+        """The job's smallest step id, as `store.jobs_repo.JobsRepo.job_serial`."""
+        with self._lock:
+            job = self._job_row(job_id)
+            if not job.steps:
+                raise NotFound(f"job '{job_id}' not found")
+            return min(s.id for s in job.steps)
