@@ -1,8 +1,12 @@
-"""Helpers shared by tests: bounded waiting, an embedded lowtide in a temp dir, spec writing."""
+"""Helpers shared by tests: bounded waiting, an embedded lowtide in a temp dir, spec writing, and
+the job calls the integration tests make through its API (auth off)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import socket
 import threading
 import time
@@ -12,6 +16,7 @@ from typing import Any, TypeVar
 
 import uvicorn
 import yaml
+from fastapi.testclient import TestClient
 
 from lowtide.config import Settings, load_settings
 from lowtide.wiring import Embedded, build
@@ -84,3 +89,75 @@ class Served:
         self._thread.join(timeout=15)
         self._sock.close()
         assert not self._thread.is_alive()
+
+
+# -- an embedded lowtide's API with auth off (tests that drive the loop by hand) -------------------
+
+FINISHED_JOB_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
+def submit_job(lt: Embedded, doc: dict[str, Any]) -> str:
+    """Submit `doc` as YAML; the new job's id (the submit must succeed)."""
+    r = TestClient(lt.app).post(
+        "/v1/jobs", content=yaml.safe_dump(doc), headers={"Content-Type": "application/yaml"}
+    )
+    assert r.status_code == 201, r.text
+    return str(r.json()["id"])
+
+
+def job_detail(lt: Embedded, job_id: str) -> dict[str, Any]:
+    r = TestClient(lt.app).get(f"/v1/jobs/{job_id}")
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def job_finished(lt: Embedded, job_id: str) -> bool:
+    return job_detail(lt, job_id)["job"]["state"] in FINISHED_JOB_STATES
+
+
+def step_log(lt: Embedded, job_id: str, step: str, attempt: int | None = None) -> str:
+    params = {"attempt": attempt} if attempt else {}
+    r = TestClient(lt.app).get(f"/v1/jobs/{job_id}/steps/{step}/logs", params=params)
+    assert r.status_code == 200, r.text
+    return r.text
+
+
+def kill_steps_and_close(lt: Embedded) -> None:
+    """Close an embedded lowtide after killing the process groups of its active attempts."""
+    for att in lt.store.active_attempts():
+        if att.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(att.pid, signal.SIGKILL)
+    lt.close()
+
+
+# -- the step user of `executor.run_as` ----------------------------------------------------------
+
+STEP_USER = "lowtide-step"
+
+
+def ensure_step_user() -> str:
+    """The operator's step user (created when missing, as `make test` and CI do); the Python
+    that runs lowtide and the repository must be reachable by other uids, or steps cannot run.
+    Call only as root."""
+    import pwd  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from conftest import require_service  # noqa: PLC0415
+    from lowtide.wiring import _unreachable  # noqa: PLC0415
+
+    try:
+        pwd.getpwnam(STEP_USER)
+    except KeyError:
+        shell = "/usr/sbin/nologin" if Path("/usr/sbin/nologin").exists() else "/bin/false"
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", shell, STEP_USER], check=True)
+    python = Path(sys.executable).resolve().parent
+    for where in (python, Path(sys.prefix), Path(__file__).resolve().parents[1]):
+        blocked = _unreachable(where)
+        if blocked is not None:
+            require_service(
+                "a Python the step user can run",
+                f"{blocked} is not traversable by other users (.ci/run makes it so: chmod o+x)",
+            )
+    return STEP_USER

@@ -5,39 +5,22 @@ job with more steps than `scheduler.max_steps_per_job` is refused with a located
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
-import yaml
 from fastapi.testclient import TestClient
 
 from lowtide.wiring import Embedded
-from support import embedded, tick_until
+from support import embedded, kill_steps_and_close, tick_until
+from support import job_detail as detail
+from support import submit_job as submit
 
 PY = sys.executable
-
-
-def submit(lt: Embedded, doc: dict[str, Any]) -> str:
-    r = TestClient(lt.app).post(
-        "/v1/jobs", content=yaml.safe_dump(doc), headers={"Content-Type": "application/yaml"}
-    )
-    assert r.status_code == 201, r.text
-    return str(r.json()["id"])
-
-
-def detail(lt: Embedded, job_id: str) -> dict[str, Any]:
-    r = TestClient(lt.app).get(f"/v1/jobs/{job_id}")
-    assert r.status_code == 200, r.text
-    return dict(r.json())
 
 
 def job_state(lt: Embedded, job_id: str) -> str:
@@ -47,11 +30,7 @@ def job_state(lt: Embedded, job_id: str) -> str:
 def start(system: Embedded) -> Iterator[Embedded]:
     system.loop.recover()
     yield system
-    for att in system.store.active_attempts():
-        if att.pid:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(att.pid, signal.SIGKILL)
-    system.close()
+    kill_steps_and_close(system)
 
 
 @pytest.fixture

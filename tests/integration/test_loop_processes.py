@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -17,7 +16,7 @@ import yaml
 from fastapi.testclient import TestClient
 
 from lowtide.wiring import Embedded
-from support import embedded, tick_until, wait_until
+from support import embedded, kill_steps_and_close, tick_until, wait_until
 
 PY = sys.executable
 
@@ -75,11 +74,7 @@ def lt(tmp_path: Path) -> Embedded:
     system = embedded(tmp_path, auth={"enabled": False})
     system.loop.recover()
     yield system
-    for att in system.store.active_attempts():
-        if att.pid:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(att.pid, signal.SIGKILL)
-    system.close()
+    kill_steps_and_close(system)
 
 
 def test_a_three_step_dag_runs_in_order_on_the_gpus_it_was_given(lt: Embedded) -> None:

@@ -3,23 +3,19 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
-import signal
 import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 from fastapi.testclient import TestClient
 
 from lowtide.wiring import Embedded
-from support import embedded, tick_until
+from support import embedded, kill_steps_and_close, tick_until
+from support import submit_job as submit
 
 FILE_VALUE = "file-s3cr3t-91b2"
 ENV_VALUE = "env-s3cr3t-c4d5"
@@ -57,19 +53,7 @@ def lt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Embedded]:
     )
     system.loop.recover()
     yield system
-    for att in system.store.active_attempts():
-        if att.pid:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(att.pid, signal.SIGKILL)
-    system.close()
-
-
-def submit(lt: Embedded, doc: dict[str, Any]) -> str:
-    r = TestClient(lt.app).post(
-        "/v1/jobs", content=yaml.safe_dump(doc), headers={"Content-Type": "application/yaml"}
-    )
-    assert r.status_code == 201, r.text
-    return str(r.json()["id"])
+    kill_steps_and_close(system)
 
 
 def finished(lt: Embedded, job_id: str) -> str:

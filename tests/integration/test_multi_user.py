@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import shutil
 import signal
 import socket
@@ -38,12 +37,9 @@ import httpx
 import pytest
 import yaml
 
-from conftest import require_service
-from lowtide.wiring import _unreachable
-from support import wait_until
+from support import STEP_USER, ensure_step_user, wait_until
 
 PY = sys.executable
-STEP_USER = "lowtide-step"
 SECRET = "wandb-value-9f31c2"
 OPERATOR_CREDENTIAL = "operator-cloud-credential-77aa"
 CPU_LIMIT = 3
@@ -183,18 +179,7 @@ class Lowtide:
 
 @pytest.fixture
 def lowtide() -> Iterator[Lowtide]:
-    try:
-        pwd.getpwnam(STEP_USER)
-    except KeyError:
-        shell = "/usr/sbin/nologin" if Path("/usr/sbin/nologin").exists() else "/bin/false"
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", shell, STEP_USER], check=True)
-    for where in (Path(PY).resolve().parent, Path(sys.prefix), Path(__file__).resolve().parents[2]):
-        blocked = _unreachable(where)
-        if blocked is not None:
-            require_service(
-                "a Python the step user can run",
-                f"{blocked} is not traversable by other users (.ci/run makes it so: chmod o+x)",
-            )
+    ensure_step_user()
     root = Path(tempfile.mkdtemp(prefix="lowtide-multi-user-"))
     root.chmod(0o711)  # pytest's tmp_path is 0700: no step uid could enter it
     lt = Lowtide(root)

@@ -8,11 +8,8 @@ The loop is driven by hand (`tick_until`); every wait is bounded.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -26,14 +23,16 @@ from typing import Any
 
 import boto3
 import pytest
-import yaml
-from fastapi.testclient import TestClient
 
 from conftest import require_service
 from lowtide.adapters.storage import FsspecArtifacts
 from lowtide.config import ConfigError
 from lowtide.wiring import Embedded, build
-from support import embedded, settings_for, tick_until, wait_until
+from support import embedded, kill_steps_and_close, settings_for, tick_until, wait_until
+from support import job_detail as detail
+from support import job_finished as finished
+from support import step_log as logs
+from support import submit_job as submit
 
 pytestmark = pytest.mark.s3
 
@@ -138,39 +137,10 @@ def lt(tmp_path: Path, bucket: Bucket) -> Iterator[Embedded]:
     )
     system.loop.recover()
     yield system
-    for att in system.store.active_attempts():
-        if att.pid:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(att.pid, signal.SIGKILL)
-    system.close()
+    kill_steps_and_close(system)
 
 
 # -- helpers -----------------------------------------------------------------------------------
-
-
-def submit(lt: Embedded, doc: dict[str, Any]) -> str:
-    r = TestClient(lt.app).post(
-        "/v1/jobs", content=yaml.safe_dump(doc), headers={"Content-Type": "application/yaml"}
-    )
-    assert r.status_code == 201, r.text
-    return str(r.json()["id"])
-
-
-def detail(lt: Embedded, job_id: str) -> dict[str, Any]:
-    r = TestClient(lt.app).get(f"/v1/jobs/{job_id}")
-    assert r.status_code == 200, r.text
-    return dict(r.json())
-
-
-def finished(lt: Embedded, job_id: str) -> bool:
-    return detail(lt, job_id)["job"]["state"] in ("SUCCEEDED", "FAILED", "CANCELLED")
-
-
-def logs(lt: Embedded, job_id: str, step: str, attempt: int | None = None) -> str:
-    params = {"attempt": attempt} if attempt else {}
-    r = TestClient(lt.app).get(f"/v1/jobs/{job_id}/steps/{step}/logs", params=params)
-    assert r.status_code == 200, r.text
-    return r.text
 
 
 def module(name: str, *args: str) -> list[str]:

@@ -12,12 +12,10 @@ The step user is created here when missing (`useradd --system`), as `make demo` 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pwd
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -30,13 +28,17 @@ import pytest
 import yaml
 from fastapi.testclient import TestClient
 
-from conftest import require_service
 from lowtide.adapters.local_executor import _read_status
 from lowtide.adapters.step_identity import allowed, own_tree, safe_write_json, step_environment_for
 from lowtide.config import ConfigError
 from lowtide.control.executor_port import RunAs
-from lowtide.wiring import Embedded, _unreachable, ensure_admin_token, preflight
-from support import embedded, settings_for, tick_until
+from lowtide.wiring import Embedded, ensure_admin_token, preflight
+from support import embedded, ensure_step_user, settings_for, tick_until
+from support import job_detail as detail
+from support import job_finished as finished
+from support import kill_steps_and_close as close
+from support import step_log as log_of
+from support import submit_job as submit
 
 PY = sys.executable
 STEP_USER = "lowtide-step"
@@ -50,38 +52,8 @@ def py(code: str) -> list[str]:
     return [PY, "-c", textwrap.dedent(code)]
 
 
-def submit(lt: Embedded, doc: dict[str, Any]) -> str:
-    r = TestClient(lt.app).post(
-        "/v1/jobs", content=yaml.safe_dump(doc), headers={"Content-Type": "application/yaml"}
-    )
-    assert r.status_code == 201, r.text
-    return str(r.json()["id"])
-
-
-def detail(lt: Embedded, job_id: str) -> dict[str, Any]:
-    r = TestClient(lt.app).get(f"/v1/jobs/{job_id}")
-    assert r.status_code == 200, r.text
-    return dict(r.json())
-
-
 def state(lt: Embedded, job_id: str) -> str:
     return str(detail(lt, job_id)["job"]["state"])
-
-
-def finished(lt: Embedded, job_id: str) -> bool:
-    return state(lt, job_id) in ("SUCCEEDED", "FAILED", "CANCELLED")
-
-
-def log_of(lt: Embedded, job_id: str, step: str) -> str:
-    return TestClient(lt.app).get(f"/v1/jobs/{job_id}/steps/{step}/logs").text
-
-
-def close(lt: Embedded) -> None:
-    for att in lt.store.active_attempts():
-        if att.pid:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(att.pid, signal.SIGKILL)
-    lt.close()
 
 
 @pytest.fixture(scope="module")
@@ -89,19 +61,7 @@ def step_user() -> str:
     """The operator's step user, created when missing; the interpreter must be reachable by it."""
     if os.geteuid() != 0:
         pytest.skip("steps run as other uids only when lowtide runs as root (CI runs as root)")
-    try:
-        pwd.getpwnam(STEP_USER)
-    except KeyError:
-        shell = "/usr/sbin/nologin" if Path("/usr/sbin/nologin").exists() else "/bin/false"
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", shell, STEP_USER], check=True)
-    for where in (Path(PY).resolve().parent, Path(sys.prefix), Path(__file__).resolve().parents[2]):
-        blocked = _unreachable(where)
-        if blocked is not None:
-            require_service(
-                "a Python the step user can run",
-                f"{blocked} is not traversable by other users (.ci/run makes it so: chmod o+x)",
-            )
-    return STEP_USER
+    return ensure_step_user()
 
 
 @pytest.fixture
