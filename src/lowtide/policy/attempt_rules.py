@@ -33,6 +33,7 @@ Rules
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from lowtide.domain.spec import ResolvedStep
@@ -202,7 +203,7 @@ def launch_params(spec: Mapping[str, Any]) -> dict[str, Any]:
 
 def reproducibility_record(
     *,
-    spec: Mapping[str, Any],
+    spec: Mapping[str, Any] | SpecIndex,
     resolved_doc: Mapping[str, Any],
     resolved: ResolvedStep,
     last_checkpoint: str | None,
@@ -210,11 +211,13 @@ def reproducibility_record(
     gpus: Sequence[int],
 ) -> dict[str, Any]:
     """What an attempt ran, kept with it: the job's spec scoped to this step (`step_scoped_spec`),
-    the resolved step, where, and what it resumed."""
+    the resolved step, where, and what it resumed. `spec` is the job's spec or its `index_spec`
+    (the same record either way; the index costs O(1) per start instead of O(steps))."""
+    index = spec if isinstance(spec, SpecIndex) else index_spec(spec)
     return {
-        "spec": step_scoped_spec(spec, resolved.name),
+        "spec": index.scoped(resolved.name),
         "resolved": resolved_doc,
-        "params": launch_params(spec),
+        "params": launch_params(index.job_fields),
         "image": resolved.image,
         "inputs": dict(resolved.inputs),
         "outputs": resolved.outputs,
@@ -229,13 +232,39 @@ def step_scoped_spec(spec: Mapping[str, Any], step: str) -> dict[str, Any]:
     """The job's spec with only `step` in its ``steps``: every job-level field an attempt ran
     under, without a copy of every other step (a 10,000-step job would store the whole spec with
     each of its attempts: quadratic in the number of steps). The job keeps the full spec."""
+    return index_spec(spec).scoped(step)
+
+
+@dataclass(frozen=True, slots=True)
+class SpecIndex:
+    """A job's spec split once for its attempt starts (`index_spec`): the job-level fields (every
+    key but ``steps``, in the spec's order) and each step's entries by name. A store may keep it
+    per job, since a job's spec never changes after submit (docs/architecture.md §4.1: starts are
+    per tick; re-reading a 10,000-step spec per start made each start O(steps))."""
+
+    job_fields: Mapping[str, Any]
+    steps: Mapping[str, tuple[Mapping[str, Any], ...]]
+
+    def scoped(self, step: str) -> dict[str, Any]:
+        """`step_scoped_spec` of the indexed spec: its job-level fields, then ``steps``."""
+        return {**self.job_fields, "steps": list(self.steps.get(step, ()))}
+
+
+def index_spec(spec: Mapping[str, Any]) -> SpecIndex:
+    """Split a job's spec into a `SpecIndex`; entries of ``steps`` that are not mappings with a
+    name are left out (as `step_scoped_spec` never picks them)."""
+    by_name: dict[str, list[Mapping[str, Any]]] = {}
     steps = spec.get("steps")
-    mine = (
-        [s for s in steps if isinstance(s, Mapping) and s.get("name") == step]
-        if isinstance(steps, list)
-        else []
+    if isinstance(steps, list):
+        for entry in steps:
+            if isinstance(entry, Mapping):
+                name = entry.get("name")
+                if isinstance(name, str):
+                    by_name.setdefault(name, []).append(entry)
+    return SpecIndex(
+        job_fields={k: v for k, v in spec.items() if k != "steps"},
+        steps={name: tuple(entries) for name, entries in by_name.items()},
     )
-    return {**{k: v for k, v in spec.items() if k != "steps"}, "steps": mine}
 
 
 def start_message(number: int, node: str, gpus: Sequence[int]) -> str:

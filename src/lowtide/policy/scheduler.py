@@ -72,8 +72,9 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from lowtide.policy.fairshare import FairSharePolicy, TeamShares
 from lowtide.policy.placement import FreeGpus
@@ -115,8 +116,8 @@ def decide(snapshot: Snapshot, policy: SchedulerPolicy) -> SchedulePlan:
 _FifoKey = tuple[float, str, int, str]
 
 
-def _fifo_key(step: QueuedStep) -> _FifoKey:
-    return (step.submitted_at, step.job_id, step.step_index, step.step)
+#: (submitted_at, job_id, step_index, step) of a step: built in C, once per queued step per tick.
+_fifo_key: Callable[[QueuedStep], _FifoKey] = attrgetter("submitted_at", "job_id", "step_index", "step")
 
 
 def in_queue_order(steps: Iterable[QueuedStep], shares: TeamShares) -> Iterator[QueuedStep]:
@@ -135,6 +136,12 @@ def in_queue_order(steps: Iterable[QueuedStep], shares: TeamShares) -> Iterator[
         classes.setdefault(class_key, {}).setdefault(step.team, []).append((_fifo_key(step), step))
     for class_key in sorted(classes):
         by_team = classes[class_key]
+        if len(by_team) == 1:  # one team: shares cannot reorder anything, so no heap (same order)
+            (queue,) = by_team.values()
+            queue.sort(key=_first)
+            for entry in queue:
+                yield entry[1]
+            continue
         heap: list[tuple[float, _FifoKey, str]] = []
         for team, queue in by_team.items():
             queue.sort(key=_first, reverse=True)
@@ -168,6 +175,7 @@ class _Decision:
         self._quotas = policy.team_quotas
         self._cpu_nodes = sorted(node.name for node in snapshot.nodes)
         self._cpu_node_pos = 0  # nodes before it are at their CPU-only limit (counts only grow)
+        self._cpu_full_reason: str | None = None  # why CPU-only steps wait once every node is full
         self._cpu_by_node, self._cpu_by_owner = snapshot.cpu_steps_running()
         self._free = FreeGpus.from_snapshot(snapshot)
         self._shares = TeamShares.from_snapshot(snapshot, policy.fair_share)
@@ -263,9 +271,12 @@ class _Decision:
             return
         node = self._cpu_node_with_room()
         if node is None:
-            where = "" if len(self._cpu_nodes) == 1 else f" on all {len(self._cpu_nodes)} nodes"
-            reason = f"node limit of {self._max_cpu_per_node} CPU-only steps reached{where}"
-            self._waiting.append(Waiting(step.job_id, step.step, reason))
+            if self._cpu_full_reason is None:  # the same for every CPU-only step from now on
+                where = "" if len(self._cpu_nodes) == 1 else f" on all {len(self._cpu_nodes)} nodes"
+                self._cpu_full_reason = (
+                    f"node limit of {self._max_cpu_per_node} CPU-only steps reached{where}"
+                )
+            self._waiting.append(Waiting(step.job_id, step.step, self._cpu_full_reason))
             return
         self._cpu_by_node[node] = self._cpu_by_node.get(node, 0) + 1
         self._cpu_by_owner[step.owner] = self._cpu_by_owner.get(step.owner, 0) + 1

@@ -7,18 +7,26 @@ its step tokens. Every rule it applies (which checkpoint counts, lost work, noti
 step is stopping, the usage fold, the attempt record, event texts) is a pure function of
 `policy.attempt_rules`, `policy.job_rules` or `policy.fairshare`, shared with `store.memory`.
 Neighbours: `jobs_repo` (the API side), `pool_repo`, `tokens_repo`.
+Scaling (a job of 10,000 steps, issue 10): what never changes after submit is decoded once per job
+and kept for the most recently used jobs (`_JobCache`: the spec's `attempt_rules.index_spec` for
+attempt starts, the steps' `depends` for `job_views`); the snapshot reuses the `QueuedStep` built
+from an identical row at the previous snapshot. Each is keyed by everything it was built from, so
+nothing needs invalidating; each read still returns what the database holds now.
 Must not: decide anything (retries, DAG progress and placement arrive as policy's decisions),
 compute a rule itself, or read the clock (every time is passed in).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Iterable, Mapping
-from typing import Any
+import copy
+import functools
+import threading
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Generic, TypeVar
 
 import sqlalchemy as sa
-from sqlalchemy import Connection
+from sqlalchemy import Connection, Engine
 
 from lowtide.control.executor_port import ProcessIdentity
 from lowtide.control.records import (
@@ -44,7 +52,7 @@ from lowtide.policy.dag import DagChanges, JobView, StepView
 from lowtide.policy.fairshare import decay, fold_usage
 from lowtide.policy.job_rules import dag_job_event, dag_step_event
 from lowtide.policy.outcomes import ExitDecision
-from lowtide.policy.snapshot import Snapshot
+from lowtide.policy.snapshot import QueuedStep, Snapshot
 from lowtide.store import ledger
 from lowtide.store.base import StoreBase, insert_event
 from lowtide.store.convert import attempt_record, resolved_from_doc
@@ -53,9 +61,53 @@ from lowtide.store.transitions import move_attempt, move_job, move_step
 
 _ACTIVE = [s.value for s in sorted(rules.ACTIVE_ATTEMPT_STATES)]
 _QUEUED = [s.value for s in sorted(QUEUED_STEP_STATES)]
+# A column's text to its state by one dict lookup: 10,000 queued rows per tick make the
+# `StepState(text)` call (enum lookup machinery) a visible part of a snapshot.
+_STEP_STATE: dict[str, StepState] = {s.value: s for s in StepState}
+#: Jobs whose spec index (`attempt_rules.index_spec`) and whose steps' `depends` are kept.
+SPEC_CACHE_JOBS = 16
+DEPENDS_CACHE_JOBS = 1024
+
+_V = TypeVar("_V")
+
+
+class _JobCache(Generic[_V]):
+    """Values derived from what never changes after a job's submit (its spec, its steps'
+    `depends` with `_DagSteps`), for the most recently used jobs, keyed by (job id, submitted_at).
+
+    Why: a 10,000-step job's spec is ~1.5 MB of JSON and its steps' `depends` 10,000 JSON
+    values; decoding them on every attempt start and every DAG read made each tick O(steps)
+    in JSON decoding. Nothing invalidates an entry because nothing changes what it was derived
+    from (jobs are never updated in these columns, and a job id is never reused; the submit time
+    in the key guards even that). Thread-safe: the API and the loop share a store.
+    """
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._items: OrderedDict[tuple[str, float], _V] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, float], load: Callable[[], _V]) -> _V:
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                return self._items[key]
+        value = load()
+        with self._lock:
+            self._items[key] = value
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+        return value
 
 
 class AttemptsRepo(StoreBase):
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(engine)
+        self._spec_indexes: _JobCache[rules.SpecIndex] = _JobCache(SPEC_CACHE_JOBS)
+        self._dag_steps: _JobCache[_DagSteps] = _JobCache(DEPENDS_CACHE_JOBS)
+        # The last snapshot's queued steps by the row each was built from (see `snapshot`).
+        self._queued_views: dict[tuple[Any, ...], QueuedStep] = {}
+
     def snapshot(self, *, now: float, nodes: tuple[Node, ...], half_life_s: float) -> Snapshot:
         with self._read() as conn:
             queued_rows = conn.execute(
@@ -103,23 +155,18 @@ class AttemptsRepo(StoreBase):
                 .order_by(attempts.c.id)
             ).all()
             usage_rows = conn.execute(sa.select(team_usage)).all()
-        queued = tuple(
-            rules.queued_step(
-                job_id=r.job_id,
-                step=r.name,
-                step_index=r.idx,
-                state=StepState(r.state),
-                gpus=r.gpus,
-                eligible_at=r.eligible_at,
-                retries_used=r.retries_used,
-                max_retries=r.max_retries,
-                team=r.team,
-                priority=r.priority,
-                submitted_at=r.submitted_at,
-                owner=r.owner,
-            )
-            for r in queued_rows
-        )
+        # Most queued rows are the same from one tick to the next: reuse the view built from an
+        # equal row (every column it is built from is in the row), and keep only this snapshot's.
+        previous = self._queued_views
+        built: dict[tuple[Any, ...], QueuedStep] = {}
+        for row in queued_rows:
+            key = tuple(row)
+            view = previous.get(key)
+            if view is None:
+                view = _queued_step(*key)
+            built[key] = view
+        self._queued_views = built
+        queued = tuple(built.values())
         running = tuple(
             rules.running_step(
                 attempt_id=r.id,
@@ -164,7 +211,7 @@ class AttemptsRepo(StoreBase):
                     steps,
                     jobs.c.team,
                     jobs.c.state.label("job_state"),
-                    jobs.c.spec,
+                    jobs.c.submitted_at.label("job_submitted_at"),
                     jobs.c.grace_seconds,
                 )
                 .select_from(steps.join(jobs, jobs.c.id == steps.c.job_id))
@@ -183,10 +230,17 @@ class AttemptsRepo(StoreBase):
                 ).scalar()
             )
             resolved = resolved_from_doc(row.resolved)
-            params = rules.launch_params(row.spec)
+            spec = self._spec_indexes.get(
+                (job_id, row.job_submitted_at),
+                lambda: rules.index_spec(
+                    conn.execute(sa.select(jobs.c.spec).where(jobs.c.id == job_id)).scalar_one()
+                ),
+            )
+            # A deep copy: the index is shared by every start of the job, the params are the caller's.
+            params = copy.deepcopy(rules.launch_params(spec.job_fields))
             work_dir = layout.attempt_dir(job_id, step, number)
             record = rules.reproducibility_record(
-                spec=row.spec,
+                spec=spec,
                 resolved_doc=row.resolved,
                 resolved=resolved,
                 last_checkpoint=row.last_checkpoint,
@@ -466,17 +520,27 @@ class AttemptsRepo(StoreBase):
             if not ids:
                 return []
             job_rows = conn.execute(
-                sa.select(jobs.c.id, jobs.c.state).where(jobs.c.id.in_(ids)).order_by(jobs.c.id)
+                sa.select(jobs.c.id, jobs.c.state, jobs.c.submitted_at)
+                .where(jobs.c.id.in_(ids))
+                .order_by(jobs.c.id)
             ).all()
+            # `depends` never changes after submit: decoded once per job (`_JobCache`), so a
+            # job read here every tick costs its steps' names and states, not their JSON.
+            dag_steps = {
+                job_id: self._dag_steps.get(
+                    (job_id, submitted_at), functools.partial(_DagSteps.load, conn, job_id)
+                )
+                for job_id, _, submitted_at in job_rows
+            }
             step_rows = conn.execute(
-                sa.select(steps.c.job_id, steps.c.name, steps.c.state, steps.c.depends)
+                sa.select(steps.c.job_id, steps.c.name, steps.c.state)
                 .where(steps.c.job_id.in_(ids))
                 .order_by(steps.c.job_id, steps.c.idx)
             ).all()
         by_job: dict[str, list[StepView]] = defaultdict(list)
-        for r in step_rows:
-            by_job[r.job_id].append(StepView(r.name, StepState(r.state), tuple(r.depends)))
-        return [JobView(r.id, JobState(r.state), tuple(by_job[r.id])) for r in job_rows]
+        for job_id, name, state in step_rows:
+            by_job[job_id].append(dag_steps[job_id].view(name, _STEP_STATE[state]))
+        return [JobView(job_id, JobState(state), tuple(by_job[job_id])) for job_id, state, _ in job_rows]
 
     def apply_dag(self, changes: DagChanges, now: float) -> None:
         if changes.empty:
@@ -569,6 +633,59 @@ class AttemptsRepo(StoreBase):
                 rules.checkpoint_message(label, progress),
             )
             return True
+
+
+def _queued_step(
+    job_id: str,
+    name: str,
+    idx: int,
+    state: str,
+    gpus: int,
+    eligible_at: float,
+    retries_used: int,
+    max_retries: int,
+    team: str,
+    priority: int,
+    submitted_at: float,
+    owner: str,
+) -> QueuedStep:
+    """`attempt_rules.queued_step` of one row of `snapshot`'s queued query, column by column."""
+    return rules.queued_step(
+        job_id=job_id,
+        step=name,
+        step_index=idx,
+        state=_STEP_STATE[state],
+        gpus=gpus,
+        eligible_at=eligible_at,
+        retries_used=retries_used,
+        max_retries=max_retries,
+        team=team,
+        priority=priority,
+        submitted_at=submitted_at,
+        owner=owner,
+    )
+
+
+class _DagSteps:
+    """What `job_views` keeps per job (in a `_JobCache`): each step's `depends`, which never
+    changes, and the `StepView` last built for each step, reused while its state is the same."""
+
+    __slots__ = ("_depends", "_views")
+
+    def __init__(self, depends: dict[str, tuple[str, ...]]) -> None:
+        self._depends = depends
+        self._views: dict[str, StepView] = {}
+
+    @classmethod
+    def load(cls, conn: Connection, job_id: str) -> _DagSteps:
+        rows = conn.execute(sa.select(steps.c.name, steps.c.depends).where(steps.c.job_id == job_id)).all()
+        return cls({name: tuple(depends) for name, depends in rows})
+
+    def view(self, name: str, state: StepState) -> StepView:
+        view = self._views.get(name)
+        if view is None or view.state is not state:
+            view = self._views[name] = StepView(name, state, self._depends[name])
+        return view
 
 
 def _fold_usage(conn: Connection, team: str, gpus: int, start: float, end: float, half_life_s: float) -> None:

@@ -30,7 +30,7 @@ from lowtide.domain.layout import ArtifactLayout
 from lowtide.domain.states import JOB_LIFECYCLE, STEP_LIFECYCLE, AttemptState, StepState
 from lowtide.policy import attempt_rules as rules
 from lowtide.policy.accounting import ATTEMPT
-from lowtide.policy.dag import DagChanges, JobView, StepView
+from lowtide.policy.dag import DagChanges, JobView
 from lowtide.policy.fairshare import decay, fold_usage
 from lowtide.policy.job_rules import dag_job_event, dag_step_event
 from lowtide.policy.outcomes import ExitDecision
@@ -83,8 +83,10 @@ class AttemptsPart(MemoryBase):
             number = rules.next_attempt_number(row.attempts[-1].number if row.attempts else None)
             resolved = resolved_from_doc(row.resolved)
             work_dir = layout.attempt_dir(job_id, step, number)
+            if job.spec_index is None:  # the spec never changes: split once per job, not per start
+                job.spec_index = rules.index_spec(job.spec)
             record = rules.reproducibility_record(
-                spec=job.spec,
+                spec=job.spec_index,
                 resolved_doc=row.resolved,
                 resolved=resolved,
                 last_checkpoint=row.last_checkpoint,
@@ -264,17 +266,9 @@ class AttemptsPart(MemoryBase):
         or every such job; in job id order."""
         with self._lock:
             if job_ids is None:
-                return list(self._movable.values())
-            out: list[JobView] = []
-            for job_id in sorted(set(job_ids)):
-                view = self._movable.get(job_id)
-                job = self._jobs.get(job_id)
-                if view is None and job is not None:
-                    steps = tuple(StepView(s.name, s.state, s.depends) for s in job.steps)
-                    view = JobView(job.id, job.state, steps)
-                if view is not None:
-                    out.append(view)
-            return out
+                return [self._job_view(job) for job in self._movable.values()]
+            jobs = (self._jobs.get(job_id) for job_id in sorted(set(job_ids)))
+            return [self._job_view(job) for job in jobs if job is not None]
 
     def apply_dag(self, changes: DagChanges, now: float) -> None:
         if changes.empty:

@@ -9,7 +9,9 @@ nothing; `_set_*` makes a checked move and keeps every index right. A public cal
 checks (and raises) before its first `_set_*`, so a call that raises leaves nothing changed.
 Indexes (each a `values.SortedIndex` in id order, refreshed on every change of what it shows):
 queued steps (as `QueuedStep`), active attempts (as `RunningStep` and as `AttemptRecord`),
-notices due, and the jobs the DAG may move (as `JobView`).
+notices due, and the jobs the DAG may move (their rows: a job's `JobView` is built when read and
+kept until the job or one of its steps moves, so a step move costs O(1) here, not O(steps); each
+job row counts its unfinished steps for `job_rules.job_may_move_counted`).
 Neighbours: the parts (`jobs`, `attempts`, `pool`, `inference`, `tokens`) subclass this;
 `MemoryStore` in `__init__` composes them. Every rule comes from `policy` (`attempt_rules`,
 `job_rules`, `pool_rules`, `fairshare`), as in the SQL store.
@@ -46,7 +48,7 @@ from lowtide.domain.states import (
 )
 from lowtide.policy import attempt_rules as rules
 from lowtide.policy.dag import JobView, StepView
-from lowtide.policy.job_rules import job_may_move
+from lowtide.policy.job_rules import is_open_step, job_may_move_counted
 from lowtide.policy.snapshot import QueuedStep, RunningStep
 from lowtide.store.convert import attempt_record
 from lowtide.store.memory.ledger import Ledger
@@ -78,7 +80,7 @@ class MemoryBase:
         self._running: SortedIndex[int, RunningStep] = SortedIndex()
         self._active: SortedIndex[int, AttemptRecord] = SortedIndex()
         self._notices: SortedIndex[int, NoticeDue] = SortedIndex()
-        self._movable: SortedIndex[str, JobView] = SortedIndex()
+        self._movable: SortedIndex[str, JobRow] = SortedIndex()  # views built when read
         # the pool, fair share, inference, tokens, key/value
         self._ledger = Ledger()
         self._usage: dict[str, tuple[float, float]] = {}  # team -> (decayed GPU-s, as of)
@@ -176,6 +178,7 @@ class MemoryBase:
         step.state = target
         count_state(self._step_counts, old, -1)
         count_state(self._step_counts, target, 1)
+        step.job.open_steps += is_open_step(target) - is_open_step(old)
         self._refresh_step(step)
         self._refresh_job(step.job)
 
@@ -187,12 +190,23 @@ class MemoryBase:
     # -- indexes -------------------------------------------------------------------------------
 
     def _refresh_job(self, job: JobRow) -> None:
-        """The job's place among the jobs the DAG may move (`job_rules.job_may_move`)."""
-        if job_may_move(job.state, (s.state for s in job.steps)):
-            steps = tuple(StepView(s.name, s.state, s.depends) for s in job.steps)
-            self._movable.put(job.id, JobView(job.id, job.state, steps))
+        """The job's place among the jobs the DAG may move (`job_rules.job_may_move`), in O(1):
+        its view is rebuilt only when read (`_job_view`), so a job of n steps whose steps move
+        one by one costs O(n) per read, not O(n) per move."""
+        job.view = None
+        if job_may_move_counted(job.state, job.open_steps):
+            if job.id not in self._movable:
+                self._movable.put(job.id, job)
         else:
             self._movable.drop(job.id)
+
+    @staticmethod
+    def _job_view(job: JobRow) -> JobView:
+        """The DAG's view of a job, as last built unless the job or a step moved since."""
+        if job.view is None:
+            steps = tuple(StepView(s.name, s.state, s.depends) for s in job.steps)
+            job.view = JobView(job.id, job.state, steps)
+        return job.view
 
     def _refresh_step(self, step: StepRow) -> None:
         """The step among the queued ones, and what its active attempts show."""

@@ -21,6 +21,7 @@ from lowtide.policy.job_rules import (
     cancels,
     initial_reason,
     initial_step_state,
+    is_open_step,
     step_counts,
     submit_message,
 )
@@ -78,6 +79,7 @@ class JobsPart(MemoryBase):
             count_state(self._job_counts, job.state, 1)
             for row in job.steps:
                 count_state(self._step_counts, row.state, 1)
+                job.open_steps += is_open_step(row.state)
                 self._refresh_step(row)
             self._refresh_job(job)
             self._event(job.id, None, None, now, "submitted", submit_message(new.owner, new.rerun_of))

@@ -15,6 +15,8 @@ from typing import Any
 
 from lowtide.control.records import AttemptRecord, CheckpointRecord
 from lowtide.domain.states import AttemptState, JobState, StepState
+from lowtide.policy.attempt_rules import SpecIndex
+from lowtide.policy.dag import JobView
 
 
 @dataclass(slots=True, eq=False)
@@ -39,6 +41,9 @@ class JobRow:
     step_by_name: dict[str, StepRow] = field(default_factory=dict)
     attempts: list[AttemptRow] = field(default_factory=list)  # in id order
     checkpoints: list[CheckpointRecord] = field(default_factory=list)
+    open_steps: int = 0  # steps not finished (`job_rules.is_open_step`), kept by `base._set_step`
+    view: JobView | None = None  # the DAG's view as last built; None after a job or step move
+    spec_index: SpecIndex | None = None  # `attempt_rules.index_spec(spec)`, built at first start
 
 
 @dataclass(slots=True, eq=False)
@@ -112,6 +117,16 @@ class AttemptRow:
 def assign(row: Any, values: dict[str, Any]) -> None:
     """Set columns on a row; an unknown column raises AttributeError (the rows have slots)."""
     for name, value in values.items():
-        if name in ("cached", "job", "step", "steps", "attempts", "active"):
+        if name in (
+            "cached",
+            "job",
+            "step",
+            "steps",
+            "attempts",
+            "active",
+            "open_steps",
+            "view",
+            "spec_index",
+        ):
             raise AttributeError(f"{name!r} is not a column")
         setattr(row, name, value)
