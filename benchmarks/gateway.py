@@ -1,17 +1,28 @@
 """Benchmark: the latency the gateway adds to a request, and the request rate it sustains.
 
-Three processes on this machine, so that none shares a GIL with another:
-- backend(s): a raw ASGI app under uvicorn (h11, like the gateway) answering
+Separate processes on this machine, so that none shares a GIL with another:
+- backend(s): a raw ASGI app under uvicorn (h11) answering
   `POST /v1/chat/completions` at once: a ~0.5 KiB chat.completion JSON, or, with `"stream": true`,
   a short SSE stream (--stream-chunks chunks of ~150 bytes, then `data: [DONE]`);
-- the gateway: the real `GatewayServer` (one thread, one event loop, httpx upstream client) with
-  the backend(s) as the service's replicas;
+- the gateway: the real `GatewayServer` (one thread, one uvloop event loop, httptools parser, its
+  own upstream client `gateway_upstream.UpstreamPool`) with the backend(s) as the service's replicas;
+- nginx (phase 0 only), in front of the same backend;
 - the client (this process): an open-loop load generator on asyncio + httpx.AsyncClient (with the
   gateway's O(1) connection pool, `PooledTransport`, and not httpx's default one): request
   i is due at start + i / rate whether or not earlier ones have finished, and its latency is
   measured from the time it was due (so a client or server that falls behind shows up as latency,
   not as a quietly lower rate). Nearest-rank percentiles; stream requests also record the time to
   the first body chunk.
+
+Phase 0, beside nginx (--proxy-requests 2000 per path, after --proxy-warmup 200 unrecorded rounds):
+the same backend reached three ways, direct, through nginx (the Debian package; a generated
+nginx.conf in a temp dir, run in the foreground (`daemon off`), one worker,
+`proxy_http_version 1.1`, an upstream `keepalive` pool and `proxy_buffering off`, so it is as fair a
+reference as a reverse proxy gets) and through the gateway, one keep-alive connection each
+(`http.client`, one request at a time), interleaved round by round in a rotating order. Reports
+p50/p99 of each, what each proxy adds over direct, the ratio gateway/nginx of what they add, and
+the CPU milliseconds each proxy spent per request. Without nginx installed (`make bench` installs
+it) the phase measures direct and the gateway only and says so.
 
 Phase 1, steady rate (--rate 100 req/s for --duration 20 s, after --warmup s not recorded): for
 each kind (json, stream), direct to the backend then through the gateway; reports p50/p90/p99 of
@@ -25,7 +36,8 @@ reference: on this small machine the client and the backend take their share of 
 figure is the whole system's knee; the gateway's CPU per request says what one core of it alone
 would carry (1000 / gateway CPU ms per request).
 
-Run:  .venv/bin/python benchmarks/gateway.py [--rate 100] [--duration 20] [--no-ramp]
+Run:  .venv/bin/python benchmarks/gateway.py [--proxy-requests 2000] [--proxy-kinds json,stream]
+          [--no-proxies] [--no-steady] [--rate 100] [--duration 20] [--no-ramp]
           [--ramp-rates 200,400,...] [--step-seconds 5] [--backends 1]
 Writes benchmarks/results/gateway.json (machine, parameters, figures).
 Not a test: nothing here asserts a time (docs/architecture.md §10).
@@ -36,14 +48,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import http.client
 import json
 import math
 import os
 import platform
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -54,6 +69,7 @@ from typing import Any
 
 import httpx
 import psutil
+from harness import free_port
 
 from lowtide.adapters.gateway_pool import PooledTransport, fail_missing_sniffio_fast
 
@@ -225,6 +241,191 @@ def spawn(name: str, *args: str) -> Child:
                 raise
             time.sleep(0.05)
     return Child(name, proc, url)
+
+
+# -- nginx beside the gateway: the same backend, one keep-alive connection each, interleaved ----------
+
+NGINX_CONF = """\
+worker_processes 1;
+daemon off;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    access_log off;
+    client_body_temp_path {dir}/body;
+    proxy_temp_path {dir}/proxy;
+    fastcgi_temp_path {dir}/fastcgi;
+    uwsgi_temp_path {dir}/uwsgi;
+    scgi_temp_path {dir}/scgi;
+    upstream backend {{
+        server {upstream};
+        keepalive 16;
+        keepalive_requests 1000000;
+    }}
+    server {{
+        listen 127.0.0.1:{port};
+        keepalive_requests 1000000;
+        location / {{
+            proxy_pass http://backend;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+        }}
+    }}
+}}
+"""
+
+
+@dataclass
+class Nginx:
+    """nginx as a reference reverse proxy: a generated nginx.conf in a temp dir, run in the foreground."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    workdir: tempfile.TemporaryDirectory[str]
+
+    def cpu(self) -> float:
+        """CPU seconds of the master and its worker."""
+        master = psutil.Process(self.proc.pid)
+        total = 0.0
+        for proc in [master, *master.children(recursive=True)]:
+            times = proc.cpu_times()
+            total += times.user + times.system
+        return total
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGQUIT)  # graceful shutdown (nginx docs, "Controlling nginx")
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.workdir.cleanup()
+
+
+def start_nginx(backend_url: str) -> Nginx | None:
+    """nginx in front of `backend_url` (HTTP/1.1 and keep-alive upstream, unbuffered like the gateway);
+    None when nginx is not installed (`make bench` installs it)."""
+    binary = shutil.which("nginx") or next(
+        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if Path(p).exists()), None
+    )
+    if binary is None:
+        print("note: nginx is not installed (make bench installs it): measuring without it", flush=True)
+        return None
+    workdir = tempfile.TemporaryDirectory(prefix="lowtide-bench-nginx-")
+    port = free_port()
+    conf = Path(workdir.name) / "nginx.conf"
+    upstream = backend_url.removeprefix("http://")
+    conf.write_text(NGINX_CONF.format(dir=workdir.name, upstream=upstream, port=port))
+    proc = subprocess.Popen(
+        [binary, "-p", workdir.name, "-c", str(conf), "-e", f"{workdir.name}/error.log"],
+        start_new_session=True,
+    )
+    nginx = Nginx(proc, f"http://127.0.0.1:{port}", workdir)
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            httpx.post(nginx.url + PATH, content=REQUEST_JSON, headers=HEADERS, timeout=2).raise_for_status()
+            return nginx
+        except httpx.HTTPError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log = Path(workdir.name, "error.log")
+                nginx.stop()
+                raise RuntimeError(
+                    f"nginx did not start (exit {proc.poll()}): {log.read_text() if log.exists() else ''}"
+                ) from None
+            time.sleep(0.05)
+
+
+def closed_loop(targets: dict[str, str], kind: str, requests: int, warmup: int) -> dict[str, list[float]]:
+    """`requests` requests per target, one at a time, each target on its own keep-alive connection
+    (http.client: no pool, no async machinery in the client's own figure), interleaved: round i sends
+    one request to every target, in an order that rotates, so a slow spell of the machine falls on all
+    of them alike. Returns each target's latencies (seconds, request sent to last byte read)."""
+    body = REQUEST_JSON if kind == "json" else REQUEST_STREAM
+    ending = b"}" if kind == "json" else b"[DONE]\n\n"
+    conns: dict[str, http.client.HTTPConnection] = {}
+    for name, url in targets.items():
+        host, port = url.removeprefix("http://").split(":")
+        conns[name] = http.client.HTTPConnection(host, int(port), timeout=10)
+    latencies: dict[str, list[float]] = {name: [] for name in targets}
+    names = list(targets)
+    try:
+        for i in range(warmup + requests):
+            shift = i % len(names)
+            for name in names[shift:] + names[:shift]:
+                conn = conns[name]
+                start = time.perf_counter()
+                conn.request("POST", PATH, body=body, headers=HEADERS)
+                response = conn.getresponse()
+                data = response.read()
+                end = time.perf_counter()
+                if response.status != 200 or not data.endswith(ending) or response.will_close:
+                    raise RuntimeError(f"{name}: HTTP {response.status}, body {data[-40:]!r}")
+                if i >= warmup:
+                    latencies[name].append(end - start)
+    finally:
+        for conn in conns.values():
+            conn.close()
+    return latencies
+
+
+def compare_proxies(args: argparse.Namespace, backend: Child, gateway: Child) -> dict[str, Any]:
+    """Direct, via nginx and via the gateway, against the same backend: added p50/p99 and the ratio."""
+    nginx = start_nginx(backend.url)
+    targets = {"direct": backend.url, "gateway": gateway.url}
+    if nginx is not None:
+        targets["nginx"] = nginx.url
+    try:
+        out: dict[str, Any] = {"nginx_version": nginx_version() if nginx else None}
+        for kind in args.proxy_kinds:
+            cpu_before = {"gateway": gateway.cpu(), "nginx": nginx.cpu() if nginx else 0.0}
+            lat = closed_loop(targets, kind, args.proxy_requests, args.proxy_warmup)
+            sent = args.proxy_requests + args.proxy_warmup
+            cpu_ms = {"gateway": round(1000 * (gateway.cpu() - cpu_before["gateway"]) / sent, 3)}
+            if nginx is not None:
+                cpu_ms["nginx"] = round(1000 * (nginx.cpu() - cpu_before["nginx"]) / sent, 3)
+            figures = {name: percentiles(values) for name, values in lat.items()}
+            added = {name: diff(figures["direct"], figures[name]) for name in targets if name != "direct"}
+            ratio: dict[str, float | None] = {}
+            if "nginx" in added:
+                for key in ("p50", "p99"):
+                    g, n = added["gateway"][key], added["nginx"][key]
+                    # nginx's added p99 can fall within the noise (<= 0): no ratio then
+                    ratio[key] = round(g / n, 1) if g is not None and n is not None and n > 0 else None
+            out[kind] = {
+                "latency_ms": figures,
+                "added_ms": added,
+                "ratio_gateway_to_nginx": ratio,
+                "proxy_cpu_ms_per_request": cpu_ms,
+            }
+            d = figures["direct"]
+            print(
+                f"proxies {kind:6s} ({args.proxy_requests} requests each, one keep-alive connection, "
+                f"interleaved): direct p50 {d['p50']} ms, p99 {d['p99']} ms",
+                flush=True,
+            )
+            for name, a in added.items():
+                print(
+                    f"  {name:7s} adds p50 {a['p50']:+.3f} ms, p99 {a['p99']:+.3f} ms "
+                    f"({cpu_ms[name]} ms CPU per request)",
+                    flush=True,
+                )
+            if ratio:
+                shown = {k: "n/a (nginx within noise)" if v is None else f"{v}x" for k, v in ratio.items()}
+                print(f"  gateway / nginx (added): p50 {shown['p50']}, p99 {shown['p99']}", flush=True)
+        return out
+    finally:
+        if nginx is not None:
+            nginx.stop()
+
+
+def nginx_version() -> str:
+    binary = shutil.which("nginx") or "/usr/sbin/nginx"
+    out = subprocess.run([binary, "-v"], capture_output=True, text=True, check=False)
+    return (out.stderr or out.stdout).strip().removeprefix("nginx version: ")
 
 
 # -- the load generator ------------------------------------------------------------------------------
@@ -403,7 +604,7 @@ def diff(a: dict[str, float | None], b: dict[str, float | None]) -> dict[str, fl
 async def measure(args: argparse.Namespace, backends: list[Child], gateway: Child) -> dict[str, Any]:
     children = [*backends, gateway]
     steady: dict[str, Any] = {}
-    for kind in args.kinds:
+    for kind in args.kinds if args.steady else []:
         runs = {}
         for target, url in (("direct", backends[0].url), ("gateway", gateway.url)):
             phase = await run_phase(target, url, kind, args.rate, args.duration, args.warmup, children)
@@ -422,7 +623,7 @@ async def measure(args: argparse.Namespace, backends: list[Child], gateway: Chil
             )
         print(f"  added by the gateway ({kind}): {added}", flush=True)
         steady[kind] = {**runs, "added_by_gateway": added}
-    out: dict[str, Any] = {"steady": steady}
+    out: dict[str, Any] = {"steady": steady} if args.steady else {}
     if args.ramp:
         rates = [float(r) for r in args.ramp_rates.split(",")]
         out["ramp"] = {
@@ -439,6 +640,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument(
+        "--proxy-requests", type=int, default=2000, help="nginx comparison: requests per path"
+    )
+    parser.add_argument("--proxy-warmup", type=int, default=200, help="nginx comparison: unrecorded rounds")
+    parser.add_argument("--proxy-kinds", default="json", help="nginx comparison: json, stream or both")
+    parser.add_argument(
+        "--no-proxies", dest="proxies", action="store_false", help="skip the nginx comparison"
+    )
+    parser.add_argument("--no-steady", dest="steady", action="store_false", help="skip the steady phase")
     parser.add_argument("--rate", type=float, default=100.0, help="steady phase: requests per second")
     parser.add_argument("--duration", type=float, default=20.0, help="steady phase: seconds per run")
     parser.add_argument("--warmup", type=float, default=2.0, help="unrecorded seconds before each steady run")
@@ -455,6 +665,7 @@ def main() -> int:
     parser.add_argument("--role", nargs="+", help=argparse.SUPPRESS)  # internal: child processes
     args = parser.parse_args()
     args.kinds = [k for k in args.kinds.split(",") if k]
+    args.proxy_kinds = [k for k in args.proxy_kinds.split(",") if k]
 
     if args.role:
         if args.role[0] == "backend":
@@ -474,7 +685,10 @@ def main() -> int:
         gateway = spawn("gateway", "gateway", *[b.url for b in backends])
         print(f"backend(s) {[b.url for b in backends]}, gateway {gateway.url}", flush=True)
         load_before = os.getloadavg()
+        proxies = compare_proxies(args, backends[0], gateway) if args.proxies else None
         figures = asyncio.run(measure(args, backends, gateway))
+        if proxies is not None:
+            figures = {"proxies": proxies, **figures}
         load_after = os.getloadavg()
     finally:
         for child in [*([gateway] if gateway else []), *backends]:
@@ -487,6 +701,12 @@ def main() -> int:
             "rate": args.rate,
             "duration_s": args.duration,
             "warmup_s": args.warmup,
+            "proxy_requests": args.proxy_requests if args.proxies else None,
+            "proxy_warmup_rounds": args.proxy_warmup,
+            "proxy_kinds": args.proxy_kinds,
+            "proxies_means": "direct, nginx and the gateway, one keep-alive connection each, one request "
+            "at a time, interleaved; latency from sending the request to reading its last byte",
+            "steady": args.steady,
             "kinds": args.kinds,
             "ramp_rates": args.ramp_rates if args.ramp else None,
             "step_seconds": args.step_seconds,

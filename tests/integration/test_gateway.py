@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
 import threading
 import time
@@ -790,7 +791,9 @@ def test_accepted_connections_have_nagle_off(gw: Gw, make_backend: Callable[...,
     gw.router.set_backends(SERVICE, {"a": a.url})
     running = gw.server._servers[SERVICE]
     (listener,) = [s for s in running.server.servers[0].sockets]
-    assert listener.proto == socket.IPPROTO_TCP
+    # Ask the descriptor itself: uvloop hands out a PseudoSocket whose `proto` reads 0.
+    with socket.socket(fileno=os.dup(listener.fileno())) as real:
+        assert real.proto == socket.IPPROTO_TCP
     client = gw.client()
     assert client.get("/health").status_code == 200
     connections = list(running.server.server_state.connections)
@@ -905,3 +908,136 @@ def test_stop_cuts_what_is_left_after_the_grace(
     assert router.in_flight(SERVICE, "a") == 0
     wait_until(lambda: "s" in a.cancelled, what="the backend to see the cut stream's connection closed")
     assert not _gateway_threads()
+
+
+# -- the upstream client's HTTP/1.1 framing (adapters/gateway_upstream.py) ---------------------------
+
+
+class RawBackend:
+    """A replica that answers each connection's requests with canned bytes (`reply(n)` for the n-th
+    request on the whole server; None closes without answering) and records what it received."""
+
+    def __init__(self, reply: Callable[[int], bytes | None], close_after_reply: bool) -> None:
+        self.reply = reply
+        self.close_after_reply = close_after_reply
+        self.received: list[bytes] = []  # each request as received, head and body
+        self.connections = 0
+        self._sock = _listen()
+        self._sock.listen(16)
+        self._sock.settimeout(0.2)
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="raw-backend", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            self.connections += 1
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        with conn:
+            data = b""
+            while True:
+                while b"\r\n\r\n" not in data:
+                    part = conn.recv(65536)
+                    if not part:
+                        return
+                    data += part
+                head, _, rest = data.partition(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                while len(rest) < length:
+                    rest += conn.recv(65536)
+                self.received.append(head + b"\r\n\r\n" + rest[:length])
+                data = rest[length:]
+                answer = self.reply(len(self.received) - 1)
+                if answer is None:
+                    return
+                conn.sendall(answer)
+                if self.close_after_reply:
+                    conn.shutdown(socket.SHUT_WR)
+                    return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._sock.close()
+
+
+def test_request_is_sent_whole_and_a_body_ended_by_the_connection_close_passes_through(gw: Gw) -> None:
+    """A response with neither content-length nor chunked framing ends when the replica closes the
+    connection (RFC 9112 §6.3); the request goes out with its host, content-length and exact body."""
+    body = b'{"choices": [' + b", ".join(b'{"index": %d}' % i for i in range(2000)) + b"]}"
+    raw = RawBackend(
+        lambda n: b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n" + body,
+        close_after_reply=True,
+    )
+    try:
+        gw.router.set_backends(SERVICE, {"raw": raw.url})
+        client = gw.client()
+        sent = json.dumps({"id": "r1", "messages": [{"role": "user", "content": "é" * 3000}]}).encode()
+        for _ in range(2):  # the closed connection is not reused for the second request
+            r = client.post(
+                CHAT + "?x=1", content=sent, headers={"content-type": "application/json", "x-custom": "kept"}
+            )
+            assert r.status_code == 200
+            assert r.content == body
+            assert r.headers["x-lowtide-replica"] == "raw"
+        assert raw.connections == 2
+        head, _, received_body = raw.received[0].partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        assert lines[0] == b"POST /v1/chat/completions?x=1 HTTP/1.1"
+        fields = {k.strip().lower(): v.strip() for k, _, v in (line.partition(b":") for line in lines[1:])}
+        assert fields[b"host"] == raw.url.removeprefix("http://").encode()
+        assert fields[b"content-length"] == str(len(sent)).encode()
+        assert fields[b"x-custom"] == b"kept"
+        assert b"x-forwarded-for" in fields
+        assert received_body == sent
+    finally:
+        raw.close()
+
+
+def test_a_malformed_or_missing_answer_is_a_502_counted_as_an_upstream_failure(gw: Gw) -> None:
+    raw = RawBackend(lambda n: b"THIS IS NOT HTTP\r\n\r\n" if n == 0 else None, close_after_reply=True)
+    try:
+        gw.router.set_backends(SERVICE, {"raw": raw.url})
+        client = gw.client()
+        for n in range(2):  # garbage, then a connection closed without any answer
+            r = client.post(CHAT, json={"id": f"m{n}"})
+            assert r.status_code == 502
+            assert r.json()["error"]["type"] == "bad_gateway"
+            assert gw.router.upstream_failures(SERVICE, "raw") == n + 1
+        samples = metric_samples(client.get("/metrics").text)
+        key = (
+            "lowtide_gateway_upstream_errors_total",
+            (("kind", "protocol"), ("replica", "raw"), ("service", SERVICE)),
+        )
+        assert samples[key] == 2
+    finally:
+        raw.close()
+
+
+def test_a_head_request_gets_its_answer_without_waiting_for_a_body(
+    make_backend: Callable[..., Backend],
+) -> None:
+    """The answer to a HEAD carries the content-length of a GET but no body (RFC 9110 §9.3.2)."""
+    a = make_backend("a")
+    with running_gateway(GatewayTimeouts(read_s=10, shutdown_grace_s=1)) as gw:
+        gw.router.set_backends(SERVICE, {"a": a.url})
+        client = gw.client()
+        for _ in range(2):
+            r = client.head("/v1/models")
+            assert r.status_code == 200
+            assert r.headers["x-lowtide-replica"] == "a"
+            assert int(r.headers["content-length"]) > 0
+            assert r.content == b""
+        assert client.get("/v1/models").json()["object"] == "list"
+        assert gw.router.upstream_failures(SERVICE, "a") == 0

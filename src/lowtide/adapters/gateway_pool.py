@@ -1,4 +1,6 @@
-"""An httpx transport whose keep-alive pool costs O(1) per request, for the gateway's upstream calls.
+"""An httpx transport whose keep-alive pool costs O(1) per request: the load generator of
+`benchmarks/gateway.py` uses it. (The gateway's own upstream calls moved to
+`adapters.gateway_upstream`, a lighter client on httptools; this one stays for httpx users.)
 
 Why not httpx's default transport: httpcore 1.0's `AsyncConnectionPool` rescans every pooled
 connection on each request start and end, and for each idle connection it rebuilds a list of all
