@@ -22,7 +22,9 @@ total (detected→healthy); p50/p99/max per mode, against the target total ≤ t
 `sleep`, freed→healthy ≤ wake + 1 s. Also: how many reclaims and trainer preemptions, the
 GPU-seconds lost (the attempts' `lost_gpu_seconds`), every request that failed at the gateway
 (the load generator's errors and the gateway's own counters) and whether every later attempt
-resumed from a checkpoint (`record.resume_from`).
+resumed from a checkpoint (`record.resume_from`). What the inference side felt, per surge and
+summed up per mode: surge→capacity (load start → the reclaim's `healthy_at`, the new replica
+serving) and the TTFT of every answered request of the surge (p50/p99).
 
 Cleanup: the server is stopped (SIGTERM; it stops its replicas), then every process carrying
 this run's marker variable (step shims and trainers, which outlive the control plane by design;
@@ -127,7 +129,10 @@ def summary(values: list[float]) -> dict[str, Any]:
 
 
 def free_port_range(n: int) -> int:
-    for base in range(24000, 60000, 89):
+    # Start at a place of this process's own: two runs side by side would otherwise both find
+    # the same free range before either binds it.
+    first = 24000 + (os.getpid() % 300) * 89
+    for base in [*range(first, 60000, 89), *range(24000, first, 89)]:
         socks: list[socket.socket] = []
         try:
             for p in range(base, base + n):
@@ -207,7 +212,8 @@ def write_config(workdir: Path, setup: Setup, park: str, api_port: int, gw_port:
         "nodes": [{"name": "n1", "gpus": setup.nodes_gpus}],
         "api": {"host": "127.0.0.1", "port": api_port},
         "auth": {"enabled": False},
-        "executor": {"checkpoint_poll": "1s", "retry_backoff": "1s"},
+        # Steps get a clean environment: let the run's marker through, so cleanup finds them.
+        "executor": {"checkpoint_poll": "1s", "retry_backoff": "1s", "env_allowlist": [MARKER_ENV]},
         "services": [
             {
                 "name": SERVICE,
@@ -377,6 +383,7 @@ class Surge:
                 drain_timeout_s=60,
                 request_timeout_s=60,
                 stop=self._stop,
+                keep_results=True,
             )
 
         try:
@@ -461,7 +468,9 @@ def run_mode(park: str, setup: Setup, args: argparse.Namespace, data: Path) -> d
         total = args.warmup + args.surges
         for i in range(total):
             srv.check_alive()
-            surges.append(one_surge(srv, setup, job_ids, i, warmup=i < args.warmup))
+            surges.append(
+                one_surge(srv, setup, job_ids, i, warmup=i < args.warmup, settle_timeout=args.settle_timeout)
+            )
             s = surges[-1]
             print(
                 f"  {park} surge {i + 1}/{total}{' (warm-up)' if s['warmup'] else ''}: "
@@ -469,6 +478,10 @@ def run_mode(park: str, setup: Setup, args: argparse.Namespace, data: Path) -> d
                 f"failed requests {s['load']['failed']}, cycle {s['cycle_s']:.1f}s",
                 flush=True,
             )
+            if s["unsettled"]:
+                result["failed"] = s["unsettled"]
+                print(f"error: {s['unsettled']}", flush=True)
+                break
         result.update(collect(srv, setup, park, job_ids, surges))
         result["gateway"] = gateway_errors(srv)
     except Exception as exc:  # one mode failing still reports the other
@@ -493,7 +506,7 @@ def run_mode(park: str, setup: Setup, args: argparse.Namespace, data: Path) -> d
 
 
 def one_surge(
-    server: Server, setup: Setup, job_ids: list[str], index: int, *, warmup: bool
+    server: Server, setup: Setup, job_ids: list[str], index: int, *, warmup: bool, settle_timeout: float = 180
 ) -> dict[str, Any]:
     known = {r["id"] for r in server.reclaims()}
     t0 = time.time()
@@ -514,17 +527,23 @@ def one_surge(
     finally:
         report = surge.stop()
     load_stopped = time.time()
-    wait_for(
-        f"surge {index + 1}: the extra replica parked and every trainer running again",
-        lambda: settled(server, job_ids),
-        180,
-        0.2,
-    )
+    unsettled = None
+    try:
+        wait_for(
+            f"surge {index + 1}: the extra replica parked and every trainer running again",
+            lambda: settled(server, job_ids),
+            settle_timeout,
+            0.2,
+        )
+    except TimeoutError as exc:  # this surge's figures still count; the run stops after it
+        unsettled = str(exc)
     settled_at = time.time()
     new = [r for r in server.reclaims() if r["id"] not in known]  # final phases of every reclaim
     mine = [r for r in new if r["service"] == SERVICE]
     first = min(mine, key=lambda r: r["detected_at"])
     unpark = unpark_split(server, first)
+    healthy = first["healthy_at"]
+    ttfts = sorted(r.ttft_s for r in report.results if r.ttft_s is not None and r.error is None)
     return {
         "index": index,
         "warmup": warmup,
@@ -534,7 +553,12 @@ def one_surge(
         "load_stopped_at": load_stopped,
         "settled_at": settled_at,
         "cycle_s": settled_at - t0,
+        "unsettled": unsettled,
         "total_s": round(first["total_s"], 3) if first["total_s"] is not None else None,
+        # What the inference side felt: load start → the new replica serving (the reclaim's
+        # healthy_at), and the TTFT of every request of this surge that got an answer.
+        "surge_to_capacity_s": round(healthy - t0, 3) if healthy is not None else None,
+        "ttfts_s": [round(v, 4) for v in ttfts],
         **unpark,
         "reclaims": new,
         "load": {
@@ -544,6 +568,7 @@ def one_surge(
             "errors": report.errors,
             "cancelled": report.cancelled,
             "error_samples": report.error_samples,
+            "ttft_p50_s": report.ttft_s.p50 if report.ttft_s else None,
             "ttft_p99_s": report.ttft_s.p99 if report.ttft_s else None,
         },
     }
@@ -626,6 +651,10 @@ def collect(
             ),
         },
         "load_start_to_detected_s": summary([s["load_start_to_detected_s"] for s in measured]),
+        "surge_to_capacity_s": summary(
+            [s["surge_to_capacity_s"] for s in measured if s.get("surge_to_capacity_s") is not None]
+        ),
+        "surge_ttft_s": summary([v for s in measured for v in s["ttfts_s"]]),
         "cycle_s": summary([s["cycle_s"] for s in measured]),
         "meets_total_target": bool(total.get("n")) and total["p99"] <= target,
         "trainer_preemptions": preemptions,
@@ -655,7 +684,8 @@ def print_mode(r: dict[str, Any], setup: Setup) -> None:
     print(f"\npark: {park}  ({r.get('measured_surges', 0)} measured surges, {r['wall_s']:.0f} s)")
     if "failed" in r:
         print(f"  failed: {r['failed'].splitlines()[0]}")
-        return
+        if "phases_s" not in r:
+            return
     header = f"  {'phase':<18} {'n':>4} {'p50 s':>8} {'p99 s':>8} {'max s':>8}"
     print(header)
     for name, _, _ in PHASES:
@@ -700,6 +730,11 @@ def print_mode(r: dict[str, Any], setup: Setup) -> None:
         f"  attempts after the first: {r['later_attempts']}, resumed from a checkpoint: "
         f"{r['later_attempts_resumed_from_checkpoint']} ({'all' if r['all_resumed'] else 'NOT all'})"
     )
+    print("  what the inference side felt (measured surges):")
+    for label, key in (("surge→capacity", "surge_to_capacity_s"), ("TTFT in surges", "surge_ttft_s")):
+        p = r[key]
+        if p.get("n"):
+            print(f"    {label:<16} {p['n']:>4} {p['p50']:>8.3f} {p['p99']:>8.3f} {p['max']:>8.3f}")
     c = r["cycle_s"]
     print(f"  surge cycle (load start → settled again): p50 {c.get('p50')} s, max {c.get('max')} s")
 
@@ -719,6 +754,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=8.0, help="surge load, requests/s")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--keep", action="store_true", help="keep the temp dirs (server.log)")
+    parser.add_argument(
+        "--settle-timeout", type=float, default=180.0, help="seconds to wait for the calm after a surge"
+    )
     args = parser.parse_args(argv)
     modes = [m.strip() for m in args.park.split(",") if m.strip()]
     if not modes or set(modes) - {"stop", "sleep"}:

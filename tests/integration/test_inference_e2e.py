@@ -220,7 +220,7 @@ def test_load_drives_replicas_up_and_down_through_prometheus_without_failing_a_r
     )
     assert time.monotonic() - burst_ended >= STABILISATION_S * 0.8  # held through the stabilisation window
     wait_until(
-        lambda: "PARKED" in stack.states() and "DRAINING" not in stack.states(),
+        lambda: "PARKED" in (st := stack.states()) and "DRAINING" not in st and "PARKING" not in st,
         timeout=60,
         what="a replica drained and parked",
     )
@@ -232,9 +232,13 @@ def test_load_drives_replicas_up_and_down_through_prometheus_without_failing_a_r
     assert report.failed == 0 and report.ok >= 30, report.format_text()
 
     # The ledger gave the parked replicas' GPUs back, and the envelope lends them.
-    pool = httpx.get(f"{stack.api}/v1/pool", timeout=5).json()
-    replica_gpus = sum(g["holder"] == "replica" for n in pool["nodes"] for g in n["gpus"])
-    assert replica_gpus == 2 * stack.states().count("SERVING")
+    # (Read both until they agree: another replica may start parking between the two reads.)
+    def replica_gpus_match_serving() -> bool:
+        pool = httpx.get(f"{stack.api}/v1/pool", timeout=5).json()
+        replica_gpus = sum(g["holder"] == "replica" for n in pool["nodes"] for g in n["gpus"])
+        return replica_gpus == 2 * stack.states().count("SERVING")
+
+    wait_until(replica_gpus_match_serving, timeout=30, what="the pool to match the serving replicas")
     lending = stack.services()["lending"]
     assert lending["lendable_gpus"] >= 8 - 2 * stack.chat()["desired"] - lending["reserve_gpus"]
     events = httpx.get(f"{stack.api}/v1/services/chat", timeout=5).json()["events"]

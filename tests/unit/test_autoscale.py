@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -21,6 +22,7 @@ from lowtide.policy.autoscale import (
     ScaleState,
     decide_scale,
     initial_state,
+    next_decision_at,
 )
 
 # -- builders -----------------------------------------------------------------------------------
@@ -38,7 +40,11 @@ def spec(
     up_window: float = 30.0,
     down_window: float = 300.0,
     tolerance: float = 0.1,
+    up_rate: float | None = None,
+    **more: Any,
 ) -> ServiceSpec:
+    """A service; the stories before the step cap existed run without it (`up_rate=None`) so
+    that they keep testing what they were written for; the cap's own stories set it."""
     return ServiceSpec(
         name="llama",
         model="llama-3-8b",
@@ -54,6 +60,8 @@ def spec(
             scale_up_window_s=up_window,
             scale_down_stabilization_s=down_window,
             tolerance=tolerance,
+            max_scale_up_rate=up_rate,
+            **more,
         ),
     )
 
@@ -167,7 +175,8 @@ def test_the_reason_names_every_signal_and_the_move() -> None:
     d = decide_scale(s, signals, supply(3), initial_state(s), 0.0)
     assert d.reason == (
         "concurrency 210 over target 32/replica → 7; "
-        "KV 2.48 over target 0.8/replica = 3.1 replicas' worth → 4; → 7 (scale-up)"
+        "KV 2.48 over target 0.8/replica = 3.1 replicas' worth → 4; "
+        "panic: 7 over 3s ≥ 2 × 3 serving; → 7 (scale-up)"
     )
     assert (d.desired, d.needed, d.recommendation, d.unknown, d.guard) == (7, 7, 7, False, None)
 
@@ -175,19 +184,24 @@ def test_the_reason_names_every_signal_and_the_move() -> None:
 # -- ramp and drop ------------------------------------------------------------------------------
 
 
-def test_a_ramp_scales_up_at_once_tick_by_tick() -> None:
+def test_a_ramp_scales_up_once_the_panic_window_saw_it_tick_by_tick() -> None:
     decisions = run(
         spec(),
         [
             (0, conc(30, 30), supply(2)),  # 60 → 2
-            (10, conc(100, 110), supply(2)),  # 210 → 7 at once
-            (20, conc(60, 60, 60, 60, 60, 60, 60), supply(2, starting=5)),  # 420 → 14 → max 10
+            (10, conc(100, 110), supply(2)),  # 210 → 7: one reading, the panic window (3 s) saw 2
+            (20, conc(60, 60, 60, 60, 60, 60, 60), supply(2, starting=5)),  # 7 over 3 s: panic
             (30, conc(50, 50, 50, 50, 50, 50, 50), supply(7, starting=3)),  # 350 → 11 → max 10
         ],
     )
-    assert desired(decisions) == [2, 7, 10, 10]
-    assert decisions[1].reason == "concurrency 210 over target 32/replica → 7; → 7 (scale-up)"
-    assert decisions[2].reason.endswith("→ 10 (scale-up, capped at max_replicas 10)")
+    assert desired(decisions) == [2, 2, 7, 10]
+    assert decisions[1].reason == (
+        "concurrency 210 over target 32/replica → 7; → 2 (scale-up waits: 30s sustained (lowest 2))"
+    )
+    assert decisions[2].reason == (
+        "concurrency 420 over target 32/replica → 14; panic: 7 over 3s ≥ 2 × 2 serving; → 7 (scale-up)"
+    )
+    assert decisions[3].reason.endswith("panic for 20s more (no scale-down); → 10 (scale-up)")
 
 
 def test_a_drop_waits_for_stabilisation_then_goes_to_the_window_max() -> None:
@@ -203,7 +217,9 @@ def test_a_drop_waits_for_stabilisation_then_goes_to_the_window_max() -> None:
     decisions = run(spec(), ticks)
     assert desired(decisions) == [7, 7, 7, 7, 5, 5, 2]
     assert [d.recommendation for d in decisions] == [7, 5, 5, 2, 2, 2, 2]
-    assert decisions[1].reason.endswith("→ 7 (scale-down waits: 7 within the last 300s)")
+    # t=0 was a panic (7 ≥ 2 × 2 serving): no scale-down for a stable window after it
+    assert decisions[1].reason.endswith("panic for 20s more (no scale-down); → 7 (no scale-down: panic)")
+    assert decisions[2].reason.endswith("→ 7 (scale-down waits: 7 within the last 300s)")
     assert decisions[4].reason.endswith("→ 5 (scale-down to the highest of the last 300s)")
 
 
@@ -256,7 +272,7 @@ def test_small_changes_within_the_tolerance_band_keep_the_current_supply(
     d = decide_scale(s, conc(per_replica_load), supply(10), initial_state(s), 0.0)
     assert d.desired == expected, why
     inside = per_replica_load in (32 * 11, 32 * 9)
-    assert ("within ±10 % of 10: keep 10" in d.reason) == inside
+    assert any(f"within {sign}10 % of 10: keep 10" in d.reason for sign in "+−") == inside
 
 
 def test_the_band_is_around_the_supply_less_headroom() -> None:
@@ -314,9 +330,10 @@ def test_starting_and_waking_replicas_count_as_supply_so_cold_starts_never_casca
             (60, load(*hot), supply(3, starting=1)),
             (100, load(*hot), supply(3, waking=1)),
             (130, load(*hot, rep("d", running=0, ttft=3.0)), supply(4)),  # it serves, still slow: one more
+            (160, load(*hot, rep("d", running=0, ttft=3.0)), supply(4)),  # ... once a stable window saw it
         ],
     )
-    assert desired(decisions) == [4, 4, 4, 4, 5]
+    assert desired(decisions) == [4, 4, 4, 4, 4, 5]
     assert decisions[0].guard == "TTFT p90 3s over SLO 1s: at least 4 replicas, no scale-down"
 
 
@@ -518,14 +535,164 @@ def test_a_scale_down_that_had_to_be_undone_is_not_repeated_until_the_load_falls
     d = run(s, ticks)
     assert desired(d) == [4, 3]  # the first scale-down is allowed: nothing says it is wrong yet
     state = d[-1].state
-    d = run(s, [(310.0, three, supply(3))], state)
-    assert desired(d) == [4]  # undone at once
-    assert d[0].state.flap_guard is not None and d[0].state.flap_guard[0] == 4
-    later = [(310.0 + 400.0 * k, four, supply(4)) for k in range(1, 4)]
-    d2 = run(s, later, d[0].state)
+    d = run(s, [(310.0, three, supply(3)), (341.0, three, supply(3))], state)
+    assert desired(d) == [3, 4]  # undone once the stable window (30 s) saw it
+    assert d[-1].state.flap_guard is not None and d[-1].state.flap_guard[0] == 4
+    later = [(341.0 + 400.0 * k, four, supply(4)) for k in range(1, 4)]
+    d2 = run(s, later, d[-1].state)
     assert desired(d2) == [4, 4, 4]
     assert d2[-1].guard is not None and "flap guard" in d2[-1].guard
     # The load falls below 95 × 0.9 = 85.5 requests: going down is allowed again.
     lower = conc(20.0, 20.0, 20.0, 20.0)  # 80 → 2.5 replicas' worth → 3
     d3 = run(s, [(2000.0, lower, supply(4)), (2400.0, lower, supply(4))], d2[-1].state)
     assert desired(d3)[-1] == 3 and d3[-1].state.flap_guard is None
+
+
+# -- a steadier scale-up: stable and panic windows, the step cap (issue 9, defect 5) -------------
+
+
+def steady(s: ServiceSpec, until: float, per_replica: float = 10.0, dt: float = 2.0) -> list[Tick]:
+    """One serving replica under a light load, a tick every `dt` seconds up to `until`."""
+    return [(t * dt, conc(per_replica), supply(1)) for t in range(int(until / dt) + 1)]
+
+
+def production(**kw: Any) -> ServiceSpec:
+    """The production defaults (step cap ×2 or +1, panic at 2×, 3 s panic window, 30 s stable)."""
+    return spec(up_rate=AutoscaleTargets().max_scale_up_rate, **kw)
+
+
+def test_a_single_2s_reading_does_not_move_a_steady_service() -> None:
+    # The issue's story: one 2 s reading of many requests on one replica (target 32). A tick
+    # every 2 s: the reading is in force for less than the 3 s panic window and the stable window.
+    s = production()
+    ticks = [*steady(s, 60), (62.0, conc(256), supply(1)), *[(t, conc(10), supply(1)) for t in (64.0, 66.0)]]
+    decisions = run(s, ticks)
+    assert decisions[-3].recommendation == 8  # the reading asked for 8
+    assert max(desired(decisions)) == 1
+
+
+SPIKE = [(t, conc(256), supply(1)) for t in (62.0, 64.0, 66.0)]  # 4 s of readings of 256 → 8
+
+
+def test_a_spike_that_fills_the_panic_window_goes_at_most_to_the_step_cap() -> None:
+    # 256 requests (→ 8) in force for 4 s: the panic window (3 s) saw it whole, but one step up
+    # from 1 replica goes to max(⌈1 × 2⌉, 1 + 1) = 2, and the spike is gone before the next step.
+    s = production()
+    ticks = [*steady(s, 60), *SPIKE, *[(float(t), conc(5, 5), supply(2)) for t in range(68, 200, 2)]]
+    decisions = run(s, ticks)
+    assert max(desired(decisions)) == 2
+    up = decisions[len(steady(s, 60)) + 2]
+    assert up.desired == 2 and up.reason.endswith("→ 2 (scale-up, step cap 2 (ask 8))"), up.reason
+
+
+def test_without_a_cap_the_same_spike_takes_every_replica_it_asks_for() -> None:
+    s = spec(up_rate=None)  # the step cap off: the old behaviour for this spike
+    assert desired(run(s, [*steady(s, 60), *SPIKE]))[-1] == 8
+
+
+def test_a_sustained_surge_reaches_the_needed_count_one_doubling_per_stable_window() -> None:
+    s = production(max_replicas=10)
+    ticks = steady(s, 20)
+    serving = 1
+    out: list[int] = []
+    state = initial_state(s)
+    for t, sig, sup in ticks:
+        d = decide_scale(s, sig, sup, state, t)
+        state = d.state
+    # From t=22: 256 requests, served by as many replicas as were decided (they start at once).
+    for k in range(1, 60):
+        t = 20.0 + 2 * k
+        d = decide_scale(s, conc(*([256 / serving] * serving)), supply(serving), state, t)
+        state, serving = d.state, d.desired
+        out.append(d.desired)
+    first = {n: 22 + 2 * out.index(n) for n in sorted(set(out))}
+    assert sorted(first) == [1, 2, 4, 8]  # ×2 per step: 1 → 2 → 4 → 8, never a jump
+    assert first[2] == 26 and first[4] - first[2] <= 32 and first[8] - first[4] <= 32
+    assert out[-1] == 8  # within a few stable windows (30 s) the needed count is reached
+
+
+def test_panic_needs_twice_the_serving_replicas_else_the_stable_window_decides() -> None:
+    s = production(max_replicas=10)
+    # 4 serving; 7 asked (< 2 × 4): no panic, the stable window (30 s) must see it whole.
+    ticks = [(float(t), conc(32, 32, 32, 32), supply(4)) for t in range(0, 40, 2)]
+    ticks += [(float(t), conc(56, 56, 56, 56), supply(4)) for t in range(40, 80, 2)]
+    decisions = run(s, ticks)
+    by_time = {t: d.desired for (t, _, _), d in zip(ticks, decisions, strict=True)}
+    assert by_time[68.0] == 4 and by_time[70.0] == 7  # 40 + 30 s sustained
+    assert all(d.state.panic_at is None for d in decisions)
+    # 8 asked (= 2 × 4): panic, up at the second reading (the panic window saw it whole).
+    ticks = [(float(t), conc(32, 32, 32, 32), supply(4)) for t in range(0, 40, 2)]
+    ticks += [(float(t), conc(64, 64, 64, 64), supply(4)) for t in range(40, 50, 2)]
+    decisions = run(s, ticks)
+    assert [d.desired for d in decisions[20:24]] == [4, 4, 8, 8]  # in force for 4 s ≥ 3 s
+    assert "panic: 8 over 3s ≥ 2 × 4 serving" in decisions[22].reason
+
+
+def test_no_scale_down_while_panicking_and_the_panic_lasts_a_stable_window() -> None:
+    s = production(down_window=10.0)  # a short stabilisation so only the panic holds the count
+    ticks = [*steady(s, 20), *[(t, conc(64), supply(1)) for t in (22.0, 24.0, 26.0)]]  # 64 → 2
+    ticks += [(t, conc(5, 5), supply(2)) for t in (28.0, 40.0, 55.0, 56.0, 58.0)]
+    decisions = run(s, ticks)
+    assert desired(decisions)[-8:] == [1, 1, 2, 2, 2, 2, 1, 1]
+    assert decisions[-3].reason.endswith("→ 2 (no scale-down: panic)"), decisions[-3].reason
+    assert decisions[-3].state.panic_at == 26.0
+    assert decisions[-2].state.panic_at is None  # 26 + 30 s: the stable window decides again
+
+
+def test_next_decision_at_names_the_end_of_the_panic_and_of_the_waiting_scale_up() -> None:
+    s = production(down_window=10.0)
+    ticks = [*steady(s, 20), *[(t, conc(64), supply(1)) for t in (22.0, 24.0, 26.0)]]
+    ticks += [(28.0, conc(5, 5), supply(2))]
+    d = run(s, ticks)[-1]
+    assert d.desired == 2 and next_decision_at(d, s) == 26.0 + 30.0  # the panic's end
+    # A moderate surge on 4 replicas waits for the stable window: the decision says when.
+    s = production(max_replicas=10)
+    ticks = [(float(t), conc(32, 32, 32, 32), supply(4)) for t in range(0, 40, 2)]
+    ticks += [(40.0, conc(56, 56, 56, 56), supply(4))]
+    d = run(s, ticks)[-1]
+    assert d.desired == 4 and next_decision_at(d, s) == 40.0 + 3.0  # the panic window's end first
+    later = decide_scale(s, conc(56, 56, 56, 56), supply(4), d.state, 43.0)
+    assert later.desired == 4 and next_decision_at(later, s) == 70.0  # then the stable window's
+    assert decide_scale(s, conc(56, 56, 56, 56), supply(4), later.state, 70.0).desired == 7
+
+
+def test_separate_up_and_down_tolerances() -> None:
+    s = spec(max_replicas=20, down_window=0.0, scale_up_tolerance=0.0, scale_down_tolerance=0.25)
+    # 11 on 10: outside a 0 % up band — but it waits for the stable window (30 s); 8 on 10 is
+    # within a 25 % down band: kept.
+    up = run(s, [(0.0, conc(*[32] * 10), supply(10)), (1.0, conc(*[35.2] * 10), supply(10))])
+    assert up[-1].recommendation == 11 and "within" not in up[-1].reason
+    down = decide_scale(s, conc(*[25.6] * 10), supply(10), initial_state(s), 0.0)
+    assert down.recommendation == 10 and "8 within −25 % of 10: keep 10" in down.reason
+    # The plain `tolerance` is the default of both.
+    plain = spec(max_replicas=20, tolerance=0.1)
+    assert plain.autoscale.up_tolerance == plain.autoscale.down_tolerance == 0.1
+
+
+def test_fallback_replicas_after_metrics_are_unknown_for_the_bound() -> None:
+    s = spec(max_replicas=10, fallback_replicas=3, fallback_after_s=60.0)
+    ticks: list[Tick] = [(0.0, conc(32, 32, 32, 32, 32, 32), supply(6))]  # 192 → 6
+    ticks += [(t, load(error="connection refused"), supply(6)) for t in (10.0, 69.0, 70.0, 200.0)]
+    decisions = run(s, ticks)
+    assert desired(decisions) == [6, 6, 6, 3, 3]
+    assert all(d.unknown for d in decisions[1:])
+    assert decisions[3].reason == (
+        "no fresh data (source failed: connection refused) → fallback 3 "
+        "(unknown for 60s ≥ fallback_after 60s: fallback_replicas 3)"
+    )
+    assert next_decision_at(decisions[2], s) == 70.0  # the simulator jumps to the fallback
+    # Never "0 because no data": without fallback_replicas the last decision holds.
+    held = run(spec(max_replicas=10), ticks)
+    assert desired(held) == [6, 6, 6, 6, 6]
+    # Data back: the fallback was a decision like any other; going up again follows the windows.
+    back = decide_scale(s, conc(40, 40, 40), supply(3), decisions[-1].state, 201.0)
+    assert back.unknown is False and back.state.unknown_since is None
+
+
+def test_a_fallback_counts_headroom_and_stays_within_min_and_max() -> None:
+    s = spec(min_replicas=2, max_replicas=4, headroom=1, fallback_replicas=9, fallback_after_s=0.0)
+    d = decide_scale(s, load(), supply(2), initial_state(s), 0.0)
+    assert (d.needed, d.desired) == (4, 4)
+    s = spec(min_replicas=2, max_replicas=4, headroom=1, fallback_replicas=0, fallback_after_s=0.0)
+    d = decide_scale(s, load(), supply(2), initial_state(s), 0.0)
+    assert (d.needed, d.desired) == (2, 3)

@@ -156,6 +156,17 @@ def test_growth_reserves_the_replicas_expected_within_the_lead_time(
     assert env.lendable_gpus == lendable
 
 
+def test_growth_reserve_stops_at_what_the_autoscalers_step_cap_can_reach_within_the_lead() -> None:
+    # A spike: needed 1, growing 1 replica/s. Within a 10 s lead a capped autoscaler (×2 or +1 per
+    # 30 s window) reaches 2 replicas, not 11: reserving 10 would preempt research for nothing.
+    env = lend([svc(desired=1, needed=1, growth=1.0)], pool=32, lead=10)
+    assert env.reserve_gpus == 1 * 4
+    assert "(step cap: at most 2)" in env.reasons[1]
+    # Two windows of lead: 1 → 2 → 4.
+    env = lend([svc(desired=1, needed=1, growth=1.0)], pool=32, lead=60)
+    assert env.reserve_gpus == 3 * 4
+
+
 def test_growth_reason_names_every_term() -> None:
     env = lend([svc(desired=3, growth=1 / 60)], pool=32, lead=60)
     assert env.reasons == (

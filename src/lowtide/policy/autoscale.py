@@ -21,28 +21,72 @@ defaults in brackets). Only *fresh* replicas count: a stale replica's numbers ar
                    look like less load)
     base         = serving + starting + waking − headroom_replicas   (the supply the load sees;
                    starting and waking replicas count, so slow cold starts never cascade)
-    band         : |raw − base| ≤ tolerance [0.1] × base  →  rec = base, else rec = raw
+    band         : raw − base ≤ scale_up_tolerance × base (raw above), or base − raw ≤
+                   scale_down_tolerance × base (raw below) → rec = base, else rec = raw (both
+                   tolerances default to `tolerance` [0.1]; AIBrix APA's up/down fluctuation
+                   tolerances, HPA's per-direction `behavior.scaleUp/scaleDown.tolerance`)
     TTFT guard   : max p90 TTFT of the fresh replicas > ttft_p90_slo_s [None: off]
                    →  rec ≥ max(supply, serving + 1) − headroom (one replica more than serve
                    now, unless one is already starting or waking), and no scale-down
     stale guard  : any replica stale → no scale-down (part of the load is not seen)
     history      : (t, rec) of every tick within max(up window, stabilisation window)
-    up           = max rec over [now − scale_up_window_s [30 s], now]          (fast: includes now)
+    in force     : a rec holds from its tick until the next one, so "over a window" means over
+                   every rec in force during it, the one in force at its start included (when
+                   the records do not reach back that far, just after a start: those there are)
+    stable       = lowest rec in force over [now − scale_up_window_s [30 s], now]: go up only to
+                   what the load asked for the whole stable window (HPA's scale-up stabilisation
+                   window takes the lowest recommendation of its window; Knative's stable window
+                   averages the metric — a lowest is exact for the event-time simulator, which
+                   must know when a decision changes with time alone, and never goes up on one
+                   reading)
+    panic        = lowest rec in force over [now − panic_window_s [10 % of scale_up_window_s], now]
+    panicking    : panic ≥ panic_threshold [2.0] × max(serving, 1) at this tick marks it; panic
+                   mode lasts until a whole stable window has passed without such a tick (Knative)
+    up           = max(stable, panic) while panicking, else stable
     down         = max rec over [now − scale_down_stabilization_s [300 s], now] (HPA-style)
-    needed       = up if up > previous needed; else down if down < previous needed (and no guard
-                   forbids it); else previous needed — then clamped to [min_replicas, max_replicas]
+    step cap     : floor = lowest needed in force over the stable window (what this window's
+                   step started from); a scale-up reaches at most max(⌈floor × max_scale_up_rate
+                   [2.0]⌉, floor + max_scale_up_step [1]) — one step per stable window (HPA's
+                   scaleUp policies Percent/Pods per periodSeconds, select Max; Knative and AIBrix
+                   cap ⌈max_scale_up_rate × ready⌉ per decision); rate None: no cap
+    needed       = min(up, max(cap, previous needed)) if up > previous needed; else down if down
+                   < previous needed and no guard forbids it and not panicking; else previous
+                   needed — then clamped to [min_replicas, max_replicas]
     desired      = min(max_replicas, needed + headroom_replicas)
     flap guard   : a replica's load grows faster than linearly when one is removed (batching), so
                    n → n−1 can look right and be wrong (n−1 asks for n again). When a scale-down
                    from n is undone within 2 stabilisation windows, needed stays ≥ n until the load
                    (Σ signal / target, unrounded) is below what it was at that scale-down × (1 −
-                   scale_down_tolerance [0.1]); the simulator found n ↔ n−1 preempting research
+                   scale_down_tolerance); the simulator found n ↔ n−1 preempting research
                    every five minutes without it.
 
+Why (issue 9, defect 5): with `up` = the highest rec of the up window, one 2 s reading of 64
+requests took a service from 1 to 8 replicas and held 8 for the stabilisation window — in lowtide
+that preempts research on 14 GPUs. Now a reading moves nothing until it has been in force for the
+panic window (and then only at ≥ 2× what serves) or the stable window, and one step at most
+doubles (+1 from 0 or 1). A sustained surge from 1 to 8 takes three steps (1 → 2 → 4 → 8), a
+stable window apart, the first a panic window after the surge began. The defaults differ from
+HPA's (×2 or +4 pods per 15 s): a replica here is GPUs taken from research, so +1.
+
+Checked against: Knative Serving pkg/autoscaler/scaling/autoscaler.go at 00a4a55c (panic when the
+panic-window desired count / ready pods ≥ PanicThreshold, default 200 %; panic kept until a
+StableWindow after the last such reading; no decrease while panicking; desired clamped to
+⌈MaxScaleUpRate × ready⌉, MaxScaleUpRate default 1000 in config-autoscaler, panic window 10 % of
+the 60 s stable window); AIBrix pkg/controller/podautoscaler/algorithm/apa.go at 4148b7a1 (up and
+down fluctuation tolerances; ⌈max_scale_up_rate × current⌉ cap) and kpa.go (Knative's panic and
+stable windows); Kubernetes autoscaling/v2 HPAScalingRules (v1.35 API: scale-up default
+policies "double or +4 pods in a 15 s window", selectPolicy Max, scale-up stabilisation 0 s,
+scale-down 300 s, per-direction tolerance beta via KEP-4951); KEDA ScaledObject
+`fallback.replicas` after `fallback.failureThreshold` failed reads (keda-docs 2.15).
+
 Unknown data (no fresh replica reports any signal, or the source failed): `unknown=True`,
-`recommendation=None`, needed and desired stay where they were (never a scale-down on unknown
-data) and a hold entry (t, previous needed) goes into the history, so that when data returns a
-scale-down still waits a whole stabilisation window. The first decision takes what exists
+`recommendation=None`, needed and desired stay where they were (never a scale-down, let alone to
+0, because there is no data) and a hold entry (t, needed) goes into the history, so that when data
+returns a scale-down still waits a whole stabilisation window; the last known rec stays in force
+for the windows. Once the data has been unknown for `fallback_after_s` [60 s] and
+`fallback_replicas` [None: off] is set, desired = fallback_replicas (headroom included, within
+[min, max]; like KEDA's fallback it may be below or above what runs: the operator's choice), with
+`ScaleState.unknown_since` telling since when. The first decision takes what exists
 (supply − headroom, clamped) as the previous needed and records it the same way: after a
 control-plane restart nothing is scaled down before a stabilisation window has passed.
 """
@@ -54,7 +98,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from lowtide.domain.metrics import ReplicaSignals, ServiceSignals
-from lowtide.domain.services import ServiceSpec
+from lowtide.domain.services import AutoscaleTargets, ServiceSpec
 
 #: Float noise allowance for ceilings and the tolerance band (0.8 × 3 / 0.8 is not exactly 3).
 _EPS = 1e-9
@@ -94,6 +138,17 @@ class ScaleState:
     #: After a scale-down had to be undone: (level, load then) — no going below `level` again
     #: until the load is below that load × (1 − scale_down_tolerance).
     flap_guard: tuple[int, float] | None = None
+    #: (time, recommendation) of the known ticks since the data last came back, within the
+    #: stable window plus the one in force at its start (the stable and panic windows read it).
+    recent: tuple[tuple[float, int], ...] = ()
+    #: (time, needed) at every change of needed, within the stable window plus the one in force
+    #: at its start (the step cap reads the window's lowest).
+    steps: tuple[tuple[float, int], ...] = ()
+    #: The last tick the panic window asked for ≥ panic_threshold × the serving replicas (panic
+    #: lasts until a stable window after it); None: not panicking.
+    panic_at: float | None = None
+    #: Since when no signal has been known (None: known at the last decision).
+    unknown_since: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,11 +194,22 @@ def decide_scale(
     known = [v for v in per_signal.values() if v is not None]
 
     if not known:
-        history = (*history, (now, prev_needed))
-        needed = prev_needed
-        desired = _desired(needed, headroom, hi)
+        unknown_since = now if state.unknown_since is None else state.unknown_since
         why = _why_unknown(signals, fresh, n_stale, per_signal)
-        reason = "; ".join([*notes, f"{why} → hold {desired}"])
+        needed = prev_needed
+        if t.fallback_replicas is not None and now - unknown_since >= t.fallback_after_s - _EPS:
+            needed = _clamp(max(t.fallback_replicas - headroom, 0), lo, hi)
+            desired = _desired(needed, headroom, hi)
+            tail = (
+                f"→ fallback {desired} (unknown for {_num(now - unknown_since)}s ≥ "
+                f"fallback_after {_num(t.fallback_after_s)}s: fallback_replicas {t.fallback_replicas})"
+            )
+        else:
+            desired = _desired(needed, headroom, hi)
+            tail = f"→ hold {desired}"
+        history = (*history, (now, needed))
+        steps = _record_step(state.steps, now, needed, now - t.scale_up_window_s, first)
+        reason = "; ".join([*notes, f"{why} {tail}"])
         return ScaleDecision(
             desired=desired,
             needed=needed,
@@ -152,13 +218,26 @@ def decide_scale(
             guard=None,
             unknown=True,
             reason=reason,
-            state=ScaleState(spec.name, history, desired, needed, state.down_from, state.flap_guard),
+            state=ScaleState(
+                spec.name,
+                history,
+                desired,
+                needed,
+                state.down_from,
+                state.flap_guard,
+                recent=state.recent,  # the last known ask stays in force through the gap
+                steps=steps,
+                panic_at=state.panic_at,
+                unknown_since=unknown_since,
+            ),
         )
 
     raw = max(known)
     rec = raw
-    if base > 0 and abs(raw - base) <= t.tolerance * base + _EPS and raw != base:
-        parts.append(f"{raw} within ±{_num(t.tolerance * 100)} % of {base}: keep {base}")
+    tol = t.up_tolerance if raw > base else t.down_tolerance
+    if base > 0 and raw != base and abs(raw - base) <= tol * base + _EPS:
+        sign = "+" if raw > base else "−"
+        parts.append(f"{raw} within {sign}{_num(tol * 100)} % of {base}: keep {base}")
         rec = base
     guards: list[str] = []
     ttfts = [r.ttft_p90_s for r in fresh if r.ttft_p90_s is not None and not math.isnan(r.ttft_p90_s)]
@@ -175,28 +254,49 @@ def decide_scale(
     if first:  # nothing goes down before a whole stabilisation window has been seen
         history = ((now, prev_needed), *history)
 
-    up = max(r for at, r in history if at >= now - t.scale_up_window_s)
+    stable_w, panic_w = t.scale_up_window_s, min(t.panic_s, t.scale_up_window_s)
+    recent = _prune((*state.recent, (now, rec)), now - stable_w)
+    stable = _window_min(recent, now - stable_w)
+    panic_ask = _window_min(recent, now - panic_w)
+    ready = max(supply.serving, 1)
+    over = panic_ask >= t.panic_threshold * ready - _EPS
+    panic_at = now if over else state.panic_at
+    if panic_at is not None and now - panic_at >= stable_w - _EPS:
+        panic_at = None  # a stable window without a panic reading: the stable window decides
+    if panic_at is not None:
+        parts.append(
+            f"panic: {panic_ask} over {_num(panic_w)}s ≥ {_num(t.panic_threshold)} × {ready} serving"
+            if over
+            else f"panic for {_num(panic_at + stable_w - now)}s more (no scale-down)"
+        )
+    up = max(stable, panic_ask) if panic_at is not None else stable
     down = max(r for at, r in history if at >= now - t.scale_down_stabilization_s)
     worth = _worth(spec, fresh)
     flap_guard = state.flap_guard
     if flap_guard is not None and (
-        prev_needed > flap_guard[0] or worth < flap_guard[1] * (1 - t.scale_down_tolerance)
+        prev_needed > flap_guard[0] or worth < flap_guard[1] * (1 - t.down_tolerance)
     ):
         flap_guard = None  # grown past it, or the load fell clearly below what misled us
+    capped = ""
     if up > prev_needed:
         needed = up
-    elif down < prev_needed and not guards:
+        limit = _step_limit(t, _window_floor(state.steps, now - stable_w, prev_needed))
+        if limit is not None and needed > max(limit, prev_needed):
+            needed = max(limit, prev_needed)
+            capped = f", step cap {needed} (ask {up})"
+    elif down < prev_needed and not guards and panic_at is None:
         needed = down
         if flap_guard is not None and needed < flap_guard[0] <= prev_needed:
             guards.append(
                 f"flap guard: {flap_guard[0]} replicas until the load is below "
-                f"{_num(flap_guard[1] * (1 - t.scale_down_tolerance))} replicas' worth "
+                f"{_num(flap_guard[1] * (1 - t.down_tolerance))} replicas' worth "
                 f"(now {_num(worth)}; going below it was undone before)"
             )
             needed = flap_guard[0]
     else:
         needed = prev_needed
     needed = _clamp(needed, lo, hi)
+    steps = _record_step(state.steps, now, needed, now - stable_w, first)
     desired = _desired(needed, headroom, hi)
     down_from = state.down_from
     if needed < prev_needed:
@@ -209,11 +309,18 @@ def decide_scale(
 
     window = _num(t.scale_down_stabilization_s)
     if needed > prev_needed:
-        move = "scale-up"
+        move = f"scale-up{capped}"
     elif needed < prev_needed:
         move = f"scale-down to the highest of the last {window}s"
     elif rec < prev_needed and lo < prev_needed:
-        move = "no scale-down: guard" if guards else f"scale-down waits: {down} within the last {window}s"
+        if guards:
+            move = "no scale-down: guard"
+        elif panic_at is not None:
+            move = "no scale-down: panic"
+        else:
+            move = f"scale-down waits: {down} within the last {window}s"
+    elif rec > prev_needed and needed < hi:
+        move = f"scale-up waits: {_num(stable_w)}s sustained (lowest {stable})"
     else:
         move = "steady"
     if needed == hi and max(up, rec) > hi:
@@ -232,8 +339,63 @@ def decide_scale(
         guard="; ".join(guards) or None,
         unknown=False,
         reason=reason,
-        state=ScaleState(spec.name, history, desired, needed, down_from, flap_guard),
+        state=ScaleState(
+            spec.name, history, desired, needed, down_from, flap_guard, recent, steps, panic_at, None
+        ),
     )
+
+
+# -- the windows --------------------------------------------------------------------------------
+
+
+def _prune(entries: tuple[tuple[float, int], ...], start: float) -> tuple[tuple[float, int], ...]:
+    """The entries at or after `start`, and the one in force at `start` (the last before it)."""
+    keep = [i for i, (at, _) in enumerate(entries) if at > start]
+    first = keep[0] - 1 if keep else len(entries) - 1
+    return entries[max(first, 0) :]
+
+
+def _window_min(entries: Sequence[tuple[float, int]], start: float) -> int:
+    """The lowest value in force during [start, now]: a value holds until the next entry, so the
+    one in force at `start` counts; when the entries do not reach back to `start` (just started),
+    the lowest of those there are."""
+    before = [r for at, r in entries if at <= start + _EPS][-1:]
+    return min([*before, *(r for at, r in entries if at > start + _EPS)])
+
+
+def _window_floor(steps: Sequence[tuple[float, int]], start: float, prev_needed: int) -> int:
+    """The lowest needed count in force during [start, now] (what the window's step started from)."""
+    before = [n for at, n in steps if at <= start + _EPS][-1:]
+    return min([prev_needed, *before, *(n for at, n in steps if at > start + _EPS)])
+
+
+def reachable_within(t: AutoscaleTargets, needed: int, seconds: float) -> int | None:
+    """The most replicas the step cap lets a service reach from `needed` within `seconds`: one
+    capped step per started scale-up window (None: no cap). `policy.lending` bounds its growth
+    reserve by this, so a capped autoscaler does not get every GPU of max_replicas anyway."""
+    if t.max_scale_up_rate is None:
+        return None
+    reached = max(needed, 1)
+    for _ in range(max(1, math.ceil(seconds / max(t.scale_up_window_s, _EPS) - _EPS))):
+        limit = _step_limit(t, reached)
+        assert limit is not None
+        reached = limit
+    return reached
+
+
+def _step_limit(t: AutoscaleTargets, floor: int) -> int | None:
+    """The most one scale-up window may reach from `floor` (None: no cap)."""
+    if t.max_scale_up_rate is None:
+        return None
+    return max(_ceil(floor * t.max_scale_up_rate), floor + t.max_scale_up_step)
+
+
+def _record_step(
+    steps: tuple[tuple[float, int], ...], now: float, needed: int, start: float, first: bool
+) -> tuple[tuple[float, int], ...]:
+    if first or not steps or steps[-1][1] != needed:
+        steps = (*steps, (now, needed))
+    return _prune(steps, start)
 
 
 # -- the signals --------------------------------------------------------------------------------
@@ -353,16 +515,48 @@ def _num(x: float) -> str:
 def next_decision_at(decision: ScaleDecision, spec: ServiceSpec) -> float | None:
     """When this decision could change if the load stayed as it is now (None: not on its own).
 
-    Only a waiting scale-down changes with time alone: `needed` drops once every history entry
-    at or above it has left the stabilisation window. The caller (the loop, the simulator) need
-    not decide again before then unless the load or the supply changes.
+    Time alone changes it when: a waiting scale-down's highest recommendations leave the
+    stabilisation window (and, while panicking, the panic ends a stable window after its last
+    panic reading); a waiting scale-up's lower recommendations stop being in force at the start
+    of the stable or the panic window; a capped scale-up's floor leaves the stable window; unknown
+    data reaches `fallback_after_s`. The caller (the loop, the simulator) need not decide again
+    before the earliest of these unless the load or the supply changes (docs/architecture.md §4.3).
+    An early time is harmless (the decision is made again and does not change); a late one would
+    make the simulator scale later than the loop.
     """
+    t = spec.autoscale
+    st = decision.state
+    now = st.history[-1][0] if st.history else None
+    times: list[float] = []  # the decision is made again at these times and changes there
+    after: list[float] = []  # ... changes just after these (a window includes its start)
     rec = decision.recommendation
-    if rec is None or decision.guard is not None or rec >= decision.needed:
-        return None
-    if decision.needed <= spec.min_replicas:
-        return None
-    holding = [at for at, r in decision.state.history if r >= decision.needed]
-    if not holding:
-        return None
-    return max(holding) + spec.autoscale.scale_down_stabilization_s
+    if rec is None:
+        if t.fallback_replicas is not None and st.unknown_since is not None:
+            times.append(st.unknown_since + t.fallback_after_s)
+    else:
+        stable_w, panic_w = t.scale_up_window_s, min(t.panic_s, t.scale_up_window_s)
+        if decision.guard is None and rec < decision.needed and decision.needed > spec.min_replicas:
+            holding = [at for at, r in st.history if r >= decision.needed]
+            if holding:
+                at = max(holding) + t.scale_down_stabilization_s
+                if st.panic_at is not None and st.panic_at + stable_w > at:
+                    times.append(st.panic_at + stable_w)
+                else:
+                    after.append(at)
+        if rec > decision.needed and decision.needed < spec.max_replicas:
+            recent = st.recent
+            low = [i for i, (_, r) in enumerate(recent) if r <= decision.needed]
+            nxt = low[-1] + 1 if low else 0
+            if nxt < len(recent):
+                times += [recent[nxt][0] + stable_w, recent[nxt][0] + panic_w]
+            if st.steps:
+                floor = min(n for _, n in st.steps)
+                low = [i for i, (_, n) in enumerate(st.steps) if n <= floor]
+                if low and low[-1] + 1 < len(st.steps):
+                    times.append(st.steps[low[-1] + 1][0] + stable_w)
+        if st.panic_at is not None:
+            times.append(st.panic_at + stable_w)
+    # A time equal to now in `after` still changes the decision just after it (the caller moves on
+    # by at least its smallest step); one in `times` has been decided at now already.
+    later = [x for x in times if now is None or x > now] + [x for x in after if now is None or x >= now]
+    return min(later, default=None)

@@ -37,18 +37,22 @@ Fail safe (per service; `signals_age_s` None means it never had data and counts 
 - age > `stale_reclaim_after_s`: its claim is at least `min_safe_replicas` replicas, so lendable
   may fall below what is lent now: that difference is a reclaim.
 GPUs lent above `lendable_gpus` are due back now, whatever the mode.
+
+GPUs under a sleeping replica are lendable but not empty (`gpu_shares`): the step placed there
+learns the memory left to it (`GpuShare`, LOWTIDE_GPU_MEMORY_LIMIT_GIB in its contract).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from lowtide.domain.gpus import GpuRef, Node
 from lowtide.domain.services import LendingPolicy, ServiceSpec, TimeWindow
-from lowtide.policy.autoscale import ScaleDecision
+from lowtide.policy.autoscale import ScaleDecision, reachable_within
 
 _EPS = 1e-9
 _DAY_MINUTES = 1440
@@ -201,11 +205,17 @@ def _growth_reserve(s: ServiceLendingInput, claim: int, lead: float) -> tuple[in
         return 0, ""
     spec = s.spec
     projected = s.decision.needed + rate * lead
+    capped = ""
+    cap = reachable_within(spec.autoscale, s.decision.needed, lead)
+    if cap is not None and projected > cap:
+        # The autoscaler cannot climb faster than its step cap: reserving beyond what it can
+        # reach within the lead would preempt research for replicas it will not start.
+        projected, capped = float(cap), f" (step cap: at most {cap})"
     target = min(spec.max_replicas, max(math.ceil(projected - _EPS), 0) + max(spec.headroom_replicas, 0))
     extra = max(0, target - claim)
     why = (
         f"{spec.name}: needed {s.decision.needed} growing {_num(rate)} replicas/s → {_num(projected)} "
-        f"in {_num(lead)}s: reserve {extra}"
+        f"in {_num(lead)}s{capped}: reserve {extra}"
     )
     return extra, why
 
@@ -334,3 +344,48 @@ def next_lending_edge(now: float, policy: LendingPolicy) -> float | None:
         if t > now + _EPS
     ]
     return min(edges, default=None)
+
+
+# -- GPUs lent under a sleeping replica ----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GpuShare:
+    """A GPU research may use although a sleeping replica still holds memory on it: at sleep
+    level 1 and 2 alike, vLLM keeps what its CuMemAllocator does not manage (CUDA graphs, NCCL
+    buffers, the CUDA context) on the GPU (vllm/device_allocator/cumem.py; docs/vllm.md)."""
+
+    reserved_gib: float  # held by the sleeping replica(s) on this GPU
+    limit_gib: float | None  # what a step may use: GPU memory − reserved (None: memory unknown)
+
+
+def gpu_shares(
+    nodes: Sequence[Node], sleeping: Iterable[tuple[str, Sequence[int], float]]
+) -> dict[GpuRef, GpuShare]:
+    """The GPUs under sleeping replicas, given as (node, GPU indices, residual GiB per GPU):
+    what each still holds and the memory left for a step (`Node.gpu_memory_gib` − residual, at
+    least 0; None where the node's GPU memory is unknown). docs/architecture.md §4.2."""
+    memory = {n.name: n.gpu_memory_gib for n in nodes}
+    reserved: dict[GpuRef, float] = {}
+    for node, indices, residual in sleeping:
+        if residual <= 0:
+            continue
+        for i in indices:
+            ref = GpuRef(node, i)
+            reserved[ref] = reserved.get(ref, 0.0) + residual
+    out = {}
+    for ref, held in reserved.items():
+        total = memory.get(ref.node)
+        out[ref] = GpuShare(held, None if total is None else max(0.0, total - held))
+    return out
+
+
+def step_gpu_share(shares: Mapping[GpuRef, GpuShare], node: str, gpus: Iterable[int]) -> GpuShare | None:
+    """The share a step placed on `gpus` gets: the tightest over its GPUs (most reserved,
+    smallest limit); None when none of them is under a sleeping replica."""
+    mine = [s for i in gpus if (s := shares.get(GpuRef(node, i))) is not None]
+    if not mine:
+        return None
+    limits = [s.limit_gib for s in mine if s.limit_gib is not None]
+    unknown = len(limits) < len(mine)
+    return GpuShare(max(s.reserved_gib for s in mine), None if unknown else min(limits))

@@ -51,7 +51,7 @@ def needed_replicas(service: SimService, rate_rps: float) -> int:
         if targets.kv_usage is not None:
             raws.append(math.ceil(n * load.kv_usage / targets.kv_usage - _EPS))
         raw = max(raws, default=n)
-        if raw - n <= targets.tolerance * n + _EPS:
+        if raw - n <= targets.up_tolerance * n + _EPS:
             need = n
             break
     return min(spec.max_replicas, need + spec.headroom_replicas)
