@@ -18,10 +18,13 @@ class GpuRef:
 
 @dataclass(frozen=True, slots=True)
 class Node:
-    """A host and the GPU indices lowtide manages on it."""
+    """A host and the GPU indices lowtide manages on it; the memory of each GPU (GiB, None:
+    unknown) and the host RAM sleeping replicas may hold there (GiB, None: no budget)."""
 
     name: str
     gpus: tuple[int, ...]
+    gpu_memory_gib: float | None = None
+    sleep_host_ram_gib: float | None = None
     _refs: tuple[GpuRef, ...] = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
