@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: venv demo test test-fast lint fmt bench clean prometheus step-user
+.PHONY: venv demo test test-fast lint fmt bench clean prometheus step-user nginx
 
 venv: $(STAMP)
 
@@ -48,8 +48,17 @@ fmt: venv
 	$(BIN)/ruff format src tests benchmarks
 	$(BIN)/ruff check --fix src tests benchmarks
 
-bench: venv
+# benchmarks/gateway.py measures nginx beside the gateway; installed like prometheus when we can.
+nginx:
+	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || { [ "$$(id -u)" = 0 ] && \
+	  command -v apt-get >/dev/null 2>&1 && \
+	  (apt-get install -y -qq --no-install-recommends nginx-light >/dev/null 2>&1 || \
+	   (apt-get update -qq && apt-get install -y -qq --no-install-recommends nginx-light >/dev/null)); } || \
+	  echo "note: nginx is not installed; benchmarks/gateway.py will measure without it"
+
+bench: venv nginx
 	$(BIN)/python benchmarks/scheduler.py
+	$(BIN)/python benchmarks/fanout.py
 	$(BIN)/python benchmarks/api_submit.py
 	$(BIN)/python benchmarks/metrics_ingest.py
 	$(BIN)/python benchmarks/gateway.py

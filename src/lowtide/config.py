@@ -59,6 +59,12 @@ class NodeConfig(_Strict):
 
     name: str = "local"
     gpus: Literal["auto"] | int | list[int] = "auto"
+    #: Memory of each GPU (GiB). None: from NVML with ``gpus: auto``, else unknown (a step lent a
+    #: sleeping replica's GPU then gets LOWTIDE_GPU_MEMORY_RESERVED_GIB only, no limit figure).
+    gpu_memory_gib: float | None = Field(default=None, gt=0)
+    #: Host RAM (GiB) that level-1 sleeping replicas may hold on this node (their weights);
+    #: beyond it a replica parks by stop. None: no budget.
+    sleep_host_ram_gib: float | None = Field(default=None, ge=0)
 
     @field_validator("name")
     @classmethod
@@ -317,10 +323,28 @@ class AutoscaleConfig(_Strict):
     scale_up_window: float = 30.0
     scale_down_stabilization: float = 300.0
     tolerance: float = Field(default=0.1, ge=0, lt=1)
-    #: Scale down only to a count that carries the load at (1 − this) of each target (no flapping).
-    scale_down_tolerance: float = Field(default=0.1, ge=0, lt=1)
+    #: The band above / below the current count that does not move it (None: `tolerance`); the
+    #: down one also bounds the flap guard (policy/autoscale.py).
+    scale_up_tolerance: float | None = Field(default=None, ge=0, lt=1)
+    scale_down_tolerance: float | None = Field(default=None, ge=0, lt=1)
+    #: Knative-style panic window (None: 10 % of scale_up_window) and threshold (× serving replicas).
+    panic_window: float | None = None
+    panic_threshold: float = Field(default=2.0, ge=1, allow_inf_nan=False)
+    #: A scale-up within one scale_up_window goes at most to max(⌈n × rate⌉, n + step); rate None: no cap.
+    max_scale_up_rate: float | None = Field(default=2.0, ge=1, allow_inf_nan=False)
+    max_scale_up_step: int = Field(default=1, ge=1)
+    #: Replicas to have when the metrics have been unknown for fallback_after (None: hold).
+    fallback_replicas: int | None = Field(default=None, ge=0)
+    fallback_after: float = 60.0
 
-    @field_validator("ttft_p90_slo", "scale_up_window", "scale_down_stabilization", mode="before")
+    @field_validator(
+        "ttft_p90_slo",
+        "scale_up_window",
+        "scale_down_stabilization",
+        "panic_window",
+        "fallback_after",
+        mode="before",
+    )
     @classmethod
     def _duration(cls, v: Any) -> float | None:
         return None if v is None else parse_duration(v)
@@ -348,6 +372,15 @@ class ServiceConfig(_Strict):
     headroom_replicas: int = Field(default=0, ge=0)
     min_safe_replicas: int | None = Field(default=None, ge=0)
     park: Literal["stop", "sleep"] = "stop"
+    #: vLLM sleep level with ``park: sleep``: 1 offloads the weights to host RAM (fast wake), 2
+    #: discards them (the wake reloads them from disk; no host RAM held). docs/vllm.md.
+    sleep_level: Literal[1, 2] = 1
+    #: GPU memory (GiB per GPU) a sleeping replica still holds (CUDA graphs, NCCL buffers, CUDA
+    #: context): steps lent its GPUs get the rest (LOWTIDE_GPU_MEMORY_LIMIT_GIB).
+    sleep_residual_gib: float = Field(default=2.0, ge=0)
+    #: Host RAM (GiB) one level-1 sleeping replica holds: the model's weights. None: unknown (on a
+    #: node with ``sleep_host_ram_gib`` it is counted as that whole budget).
+    weights_host_gib: float | None = Field(default=None, gt=0)
     #: The replica command; {model}, {port}, {gpus} and {python} are filled in. Default: `vllm serve`
     #: bound to 127.0.0.1 (with --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1 when park is sleep),
     #: or the emulator when `emulate: true` (docs/vllm.md).
@@ -371,6 +404,11 @@ class ServiceConfig(_Strict):
     hung_after: float | None = 30.0
     #: How long the gateway waits for a replica's next bytes (the first of a non-streamed answer).
     gateway_read_timeout: float = 600.0
+    #: Requests the gateway holds while the service has no replica serving (scale from zero: held
+    #: requests are demand, a replica is started or woken for them); one more gets 503. 0: no hold.
+    gateway_queue: int = Field(default=256, ge=0)
+    #: How long a held request waits for a replica before a 503. None: expected_startup + 60 s.
+    gateway_queue_timeout: float | None = None
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
     simulation: ServiceSimulation = Field(default_factory=ServiceSimulation)
@@ -395,12 +433,12 @@ class ServiceConfig(_Strict):
     def _duration(cls, v: Any) -> float:
         return parse_duration(v)
 
-    @field_validator("hung_after", mode="before")
+    @field_validator("hung_after", "gateway_queue_timeout", mode="before")
     @classmethod
     def _optional_duration(cls, v: Any) -> float | None:
         return None if v is None else parse_duration(v)
 
-    @field_validator("hung_after", "gateway_read_timeout")
+    @field_validator("hung_after", "gateway_read_timeout", "gateway_queue_timeout")
     @classmethod
     def _positive(cls, v: float | None) -> float | None:
         if v is not None and v <= 0:
@@ -755,6 +793,9 @@ def service_spec(cfg: ServiceConfig) -> ServiceSpec:
         park=cfg.park,
         startup_s=cfg.expected_startup,
         wake_s=cfg.expected_wake,
+        sleep_level=cfg.sleep_level,
+        sleep_residual_gib=cfg.sleep_residual_gib,
+        weights_host_gib=cfg.weights_host_gib,
         autoscale=AutoscaleTargets(
             concurrency_per_replica=a.concurrency_per_replica,
             kv_usage=a.kv_usage,
@@ -764,7 +805,14 @@ def service_spec(cfg: ServiceConfig) -> ServiceSpec:
             scale_up_window_s=a.scale_up_window,
             scale_down_stabilization_s=a.scale_down_stabilization,
             tolerance=a.tolerance,
+            scale_up_tolerance=a.scale_up_tolerance,
             scale_down_tolerance=a.scale_down_tolerance,
+            panic_window_s=a.panic_window,
+            panic_threshold=a.panic_threshold,
+            max_scale_up_rate=a.max_scale_up_rate,
+            max_scale_up_step=a.max_scale_up_step,
+            fallback_replicas=a.fallback_replicas,
+            fallback_after_s=a.fallback_after,
         ),
     )
 

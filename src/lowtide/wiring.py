@@ -73,17 +73,20 @@ def resolve_nodes(settings: Settings) -> tuple[Node, ...]:
     """Declared GPUs as given; ``auto`` through NVML (an error if NVML is unavailable)."""
     nodes = []
     for i, node in enumerate(settings.nodes):
+        memory = node.gpu_memory_gib
         if node.gpus == "auto":
             try:
                 found = discover_gpus()
             except GpuDiscoveryError as exc:
                 raise ConfigError(f"nodes[{i}].gpus: 'auto' needs NVML: {exc}") from exc
             indices = tuple(g.index for g in found)
+            if memory is None and found:  # the smallest GPU's memory, so no limit is too high
+                memory = min(g.memory_bytes for g in found) / 2**30
         elif isinstance(node.gpus, int):
             indices = tuple(range(node.gpus))
         else:
             indices = tuple(sorted(node.gpus))
-        nodes.append(Node(node.name, indices))
+        nodes.append(Node(node.name, indices, memory, node.sleep_host_ram_gib))
     return tuple(nodes)
 
 
@@ -408,7 +411,9 @@ def build_inference(
     """The inference side, when there is anything for it to do (services, or lending rules)."""
     if not settings.services and settings.lending.mode == "continuous":
         return None, None
-    router = GatewayRouter() if any(s.gateway_port is not None for s in settings.services) else None
+    # A request held for a service without a live replica wakes the loop: it is demand (issue 9).
+    has_gateway = any(s.gateway_port is not None for s in settings.services)
+    router = GatewayRouter(on_held=on_progress) if has_gateway else None
     setups = tuple(
         ServiceSetup(
             spec=service_spec(cfg),
@@ -445,12 +450,25 @@ def start_gateways(settings: Settings, router: GatewayRouter | None) -> GatewayS
         if cfg.gateway_port is not None:
             try:
                 server.start(
-                    cfg.name, settings.api.host, cfg.gateway_port, read_timeout_s=cfg.gateway_read_timeout
+                    cfg.name,
+                    settings.api.host,
+                    cfg.gateway_port,
+                    read_timeout_s=cfg.gateway_read_timeout,
+                    hold_max=cfg.gateway_queue,
+                    hold_timeout_s=gateway_queue_timeout(cfg),
                 )
             except Exception as exc:
                 server.stop()
                 raise ServeError(f"services.{cfg.name}.gateway_port: {exc}") from exc
     return server
+
+
+def gateway_queue_timeout(cfg: ServiceConfig) -> float:
+    """How long the gateway holds a request of `cfg` while it has no replica: the configured
+    `gateway_queue_timeout`, else a cold start (`expected_startup`) plus a minute."""
+    if cfg.gateway_queue_timeout is not None:
+        return cfg.gateway_queue_timeout
+    return cfg.expected_startup + 60.0
 
 
 class _GracefulServer(uvicorn.Server):

@@ -96,6 +96,7 @@ def launch_for(cfg: ServiceConfig, root: Path) -> ReplicaLaunch:
         work_dir=str(work),
         log_path=str(work / "replica.log"),
         health_timeout_s=60.0,
+        sleep_level=setup.spec.sleep_level,
     )
 
 
@@ -400,3 +401,23 @@ def test_scale_down_keeps_the_serving_replica_in_routing_until_the_replacement_s
     w.tick(n=3, dt=2)
     after = states()
     assert sorted(after.values()) in (["DRAINING", "SERVING"], ["PARKED", "SERVING"], ["PARKING", "SERVING"])
+
+
+def test_sleep_level_two_discards_the_weights_and_the_wake_reloads_them(
+    tmp_path: Path, replicas: list[Replica]
+) -> None:
+    """Issue 9, defect 4: `sleep_level: 2` asks for level 2 and wakes the way vLLM documents it
+    (weights, `collective_rpc reload_weights`, KV cache); the replica serves again."""
+    rep = start(emulated("sleep", sleep_level=2), tmp_path, replicas)
+    assert rep.launch.sleep_level == 2
+    rep.manager.park("chat/0", "sleep", time.time())
+    assert rep.next_event().kind == "asleep"
+    metrics = httpx.get(f"{rep.url}/metrics", timeout=5).text
+    assert 'sleep_state="discard_all"} 1.0' in metrics  # level 2, as vLLM's engine_sleep_state says
+
+    rep.manager.unpark("chat/0", time.time())
+    assert rep.next_event().kind == "healthy"
+    log = Path(rep.launch.log_path).read_text()
+    assert "collective_rpc reload_weights (level of the last sleep: 2)" in log
+    done = httpx.post(f"{rep.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+    assert done.status_code == 200

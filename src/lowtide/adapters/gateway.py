@@ -6,7 +6,7 @@ Three parts (this module re-exports them):
 - `GatewayApp` (`gateway_app`): the ASGI app of one service; streams responses through and
   retries a request on another replica only when it never reached the first one.
 - `GatewayServer` (here): runs one uvicorn server per service port, all inside ONE background
-  thread with its own asyncio event loop, sharing one `httpx.AsyncClient` for the upstream calls.
+  thread with its own event loop, sharing one `gateway_upstream.UpstreamPool` for the upstream calls.
 
 How the control loop uses it (wiring builds both, then hands the router to the loop as its
 `Gateway` port):
@@ -14,6 +14,7 @@ How the control loop uses it (wiring builds both, then hands the router to the l
     router = GatewayRouter()
     server = GatewayServer(router, timeouts=GatewayTimeouts(read_s=600))
     server.start("chat", "0.0.0.0", 9000)          # clients use http://host:9000/v1/... from now on
+    # (with start(..., hold_max=256) a request that comes while chat has no replica waits for one)
     router.set_backends("chat", {"chat/0": "http://127.0.0.1:8101"})   # each tick, from the loop
     # draining chat/0 before parking it: take it out, then wait for its requests to finish
     router.set_backends("chat", {"chat/1": "http://127.0.0.1:8102"})
@@ -29,10 +30,17 @@ flight finish for up to `GatewayTimeouts.shutdown_grace_s`, then cuts what is le
 (`GatewayApp.cut_all`: 503 if nothing was sent yet, an SSE error event for a stream), closes the
 client and ends the thread.
 
-The upstream client ignores proxy environment variables (`trust_env=False`: replicas are local),
-adds no headers of its own, and pools connections with `gateway_pool.PooledTransport` (O(1) per
-request, no cap on open connections: vLLM queues requests itself) instead of httpcore's pool, whose
-cost grows with the square of the connections it holds.
+The upstream client (`gateway_upstream.UpstreamPool`) connects to the replicas directly (no proxy
+environment variables: replicas are local), adds no headers of its own besides `host` and
+`content-length`, and keeps a LIFO stack of keep-alive connections per replica (O(1) per request,
+no cap on open connections: vLLM queues requests itself).
+
+The hot path (issue 9; figures in benchmarks/README.md, gateway): the event loop is uvloop's
+(`uvloop.new_event_loop`, uvloop 0.23) and uvicorn parses requests with httptools
+(`uvicorn.Config(http="httptools")`, uvicorn 0.54), both pinned; without them (not installed) it
+falls back to asyncio's loop and h11, with the same behaviour. uvloop sets TCP_NODELAY on every TCP
+transport itself (uvloop `handles/tcp.pyx`), accepted ones included
+(`test_accepted_connections_have_nagle_off` checks it on both loops' sockets).
 
 Must not: decide which replicas serve (the control loop does, through the router), touch the
 process's logging configuration or signal handlers, or block the control loop's thread for longer
@@ -44,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import importlib.util
 import logging
 import math
 import socket
@@ -51,12 +60,12 @@ import threading
 import time
 from dataclasses import dataclass
 
-import httpx
 import uvicorn
 
-from lowtide.adapters.gateway_app import DEFAULT_MAX_BODY_BYTES, GatewayApp
-from lowtide.adapters.gateway_pool import PooledTransport, fail_missing_sniffio_fast
+from lowtide.adapters.gateway_app import DEFAULT_HOLD_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, GatewayApp
+from lowtide.adapters.gateway_pool import PooledTransport
 from lowtide.adapters.gateway_router import GatewayMetrics, GatewayRouter, Pick
+from lowtide.adapters.gateway_upstream import UpstreamPool
 from lowtide.adapters.net import bind_tcp
 
 __all__ = [
@@ -73,6 +82,17 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 10.0
+
+# The hot path's two C parts when installed (pinned in pyproject.toml; see the module docstring).
+_HTTP_IMPL = "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
+
+
+def _new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop  # noqa: PLC0415 (optional: plain asyncio where it is not installed)
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 class GatewayError(RuntimeError):
@@ -117,15 +137,24 @@ class GatewayServer:
         self._servers: dict[str, _Running] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._client: httpx.AsyncClient | None = None
+        self._client: UpstreamPool | None = None
 
     # -- public ------------------------------------------------------------------------------------
 
     def start(
-        self, service: str, host: str = "127.0.0.1", port: int = 0, *, read_timeout_s: float | None = None
+        self,
+        service: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        read_timeout_s: float | None = None,
+        hold_max: int = 0,
+        hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S,
     ) -> int:
         """Serve `service` on host:port (0: any free port); returns the port once it accepts.
-        `read_timeout_s`: this service's upstream read timeout (None: `timeouts.read_s`)."""
+        `read_timeout_s`: this service's upstream read timeout (None: `timeouts.read_s`).
+        `hold_max` / `hold_timeout_s`: requests held at most, and for how long, while the service
+        has no live replica (scale from zero; 0: none, 503 at once; see `gateway_app`)."""
         with self._lock:
             if service in self._servers:
                 running = self._servers[service]
@@ -140,6 +169,8 @@ class GatewayServer:
                     client,
                     max_body_bytes=self.max_body_bytes,
                     read_timeout_s=read_timeout_s,
+                    hold_max=hold_max,
+                    hold_timeout_s=hold_timeout_s,
                 )
                 server = uvicorn.Server(self._config(app))
                 future = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), loop)
@@ -204,7 +235,7 @@ class GatewayServer:
     def _config(self, app: GatewayApp) -> uvicorn.Config:
         return uvicorn.Config(
             app,
-            http="h11",
+            http=_HTTP_IMPL,
             ws="none",
             lifespan="off",
             interface="asgi3",
@@ -218,10 +249,10 @@ class GatewayServer:
             timeout_graceful_shutdown=math.ceil(self.timeouts.shutdown_grace_s) + 5,
         )
 
-    def _ensure_loop(self) -> tuple[asyncio.AbstractEventLoop, httpx.AsyncClient]:
+    def _ensure_loop(self) -> tuple[asyncio.AbstractEventLoop, UpstreamPool]:
         if self._loop is not None and self._client is not None:
             return self._loop, self._client
-        loop = asyncio.new_event_loop()
+        loop = _new_event_loop()
         thread = threading.Thread(target=_run_loop, args=(loop,), name="lowtide-gateway", daemon=True)
         thread.start()
         client = asyncio.run_coroutine_threadsafe(_make_client(self.timeouts), loop).result(timeout=10)
@@ -264,24 +295,13 @@ def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
         loop.close()
 
 
-async def _make_client(timeouts: GatewayTimeouts) -> httpx.AsyncClient:
-    fail_missing_sniffio_fast()
-    client = httpx.AsyncClient(
-        transport=PooledTransport(keepalive_expiry=timeouts.keepalive_s),
-        timeout=httpx.Timeout(
-            connect=timeouts.connect_s, read=timeouts.read_s, write=timeouts.write_s, pool=timeouts.connect_s
-        ),
-        follow_redirects=False,
-        trust_env=False,
+async def _make_client(timeouts: GatewayTimeouts) -> UpstreamPool:
+    return UpstreamPool(
+        connect_s=timeouts.connect_s,
+        read_s=timeouts.read_s,
+        write_s=timeouts.write_s,
+        keepalive_s=timeouts.keepalive_s,
     )
-    for name in (
-        "accept",
-        "accept-encoding",
-        "connection",
-        "user-agent",
-    ):  # forward only what the client sent
-        del client.headers[name]
-    return client
 
 
 def _listen(service: str, host: str, port: int) -> socket.socket:

@@ -21,7 +21,16 @@ Failures:
 - the backend answers 503 before sending a body (vLLM's answer when its queue is full or it is
   shutting down; it has not acted on the request): retried on another live replica not tried yet;
   the last replica's 503 is passed through as it came.
-- no replica left (none live, or all refused): 503
+- no live replica at all (the service is at zero, or its replicas are starting or waking): the
+  request is **held** (scale from zero, issue 9 item 7) when holding is on (`hold_max` > 0, from
+  `services[].gateway_queue`): it waits, counted on the router as demand (`held_begin`), until
+  `set_backends` gives the service a live replica (the router calls this app's listener, which
+  wakes the waiters through an `asyncio.Event` on the event loop: no polling), then goes on as any
+  other request. At most `hold_max` requests wait per service; one more gets 503 with
+  `retry-after` at once; a request held past `hold_timeout_s` (`services[].gateway_queue_timeout`)
+  gets 503 `service_unavailable` saying so, with `retry-after`. A held request whose client
+  goes away stops waiting (499), and `cut_all` answers held requests 503 at shutdown.
+- no replica left (all refused, or none live with holding off): 503
   `{"error": {"message": ..., "type": "service_unavailable", "code": 503}}` with `retry-after`.
 - the backend fails after the request was sent but before answering: 502 (`bad_gateway`); no
   answer within the read timeout: 504 (`gateway_timeout`). Neither is retried: the backend may
@@ -42,9 +51,14 @@ Failures:
   `cut_all`: a request that has sent nothing yet gets a 503, a stream a last SSE error event,
   and the connection is closed (rather than uvicorn cancelling each one with a traceback).
 
-Keep-alive: the shared `httpx.AsyncClient` should expire idle connections before the backends do
-(vLLM/uvicorn close idle ones after 5 s; `GatewayTimeouts.keepalive_s` defaults to 2 s), or a
-request may race the backend closing the connection it was sent on (a 502 on a healthy replica).
+Keep-alive: the shared upstream client (`gateway_upstream.UpstreamPool`) should expire idle
+connections before the backends do (vLLM/uvicorn close idle ones after 5 s;
+`GatewayTimeouts.keepalive_s` defaults to 2 s), or a request may race the backend closing the
+connection it was sent on (a 502 on a healthy replica).
+
+Hot path: per request, one task for the disconnect watcher, the request head and body sent in
+one write by `UpstreamPool`, each body chunk passed on as received (no copy, no re-encoding), and
+the metric children looked up once per (replica, status) rather than per request.
 
 Neighbours: `gateway_router` (choice, in-flight counts, metrics), `gateway` (runs this app under
 uvicorn and owns the client). Must not: choose backends itself, block the event loop, or read
@@ -54,6 +68,7 @@ more of a request than `max_body_bytes`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -63,8 +78,10 @@ from typing import Any
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import Counter as CounterChild
 
 from lowtide.adapters.gateway_router import NO_REPLICA, GatewayRouter, Pick
+from lowtide.adapters.gateway_upstream import UpstreamPool
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +91,10 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+#: How long a held request waits for a replica unless the app is told otherwise (seconds).
+DEFAULT_HOLD_TIMEOUT_S = 300.0
+#: `retry-after` (seconds) of a 503 for a request that could not be held or waited too long.
+HELD_RETRY_AFTER_S = 5
 
 # RFC 9110 §7.6.1: meaningful for one connection only; never forwarded by a proxy.
 HOP_BY_HOP = frozenset(
@@ -118,29 +139,46 @@ class _Forward:
 
 
 class GatewayApp:
-    """The ASGI app of one service. `client` is the gateway's shared `httpx.AsyncClient`."""
+    """The ASGI app of one service. `client` is the gateway's shared upstream client."""
 
     def __init__(
         self,
         service: str,
         router: GatewayRouter,
-        client: httpx.AsyncClient,
+        client: UpstreamPool,
         *,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         read_timeout_s: float | None = None,
+        hold_max: int = 0,
+        hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S,
     ) -> None:
         self.service = service
         self.router = router
         self.client = client
         self.max_body_bytes = max_body_bytes
-        # Per request, the client's timeouts with this read timeout (None: the client's own).
-        self._timeout: httpx.Timeout | None = None
-        if read_timeout_s is not None:
-            t = client.timeout
-            self._timeout = httpx.Timeout(connect=t.connect, read=read_timeout_s, write=t.write, pool=t.pool)
+        #: Requests held at most while the service has no live replica (0: none, 503 at once).
+        self.hold_max = hold_max
+        self.hold_timeout_s = hold_timeout_s
+        self._held = 0  # requests waiting now (only touched on the event loop)
+        self._live = asyncio.Event()  # set (and replaced) when the service gets a live replica
+        self._loop: asyncio.AbstractEventLoop | None = None  # the event loop, once a request waited
+        router.listen(service, self._replicas_live)
+        self._read_timeout_s = read_timeout_s  # None: the client's own
         self._metrics = router.metrics
         self._metrics.no_backend.labels(service)  # exported at 0 from the start, so rate() has a series
         self._exchanges: set[_Exchange] = set()
+        # Per-request metric children, looked up once (a `labels()` call costs a lock and a tuple).
+        self._duration = self._metrics.duration.labels(service)
+        self._counters: dict[tuple[str, int], CounterChild] = {}
+
+    def _count(self, replica: str, code: int) -> CounterChild:
+        child = self._counters.get((replica, code))
+        if child is None:
+            if len(self._counters) > 4096:  # replicas come and go: keep the cache bounded
+                self._counters.clear()
+            child = self._metrics.requests.labels(self.service, replica, str(code))
+            self._counters[replica, code] = child
+        return child
 
     def in_flight(self) -> int:
         """Requests this app is proxying now."""
@@ -229,8 +267,8 @@ class GatewayApp:
             exchange.done = True
             self._exchanges.discard(exchange)
             watcher.cancel()
-            self._metrics.requests.labels(self.service, exchange.replica, str(exchange.code)).inc()
-            self._metrics.duration.labels(self.service).observe(time.perf_counter() - started)
+            self._count(exchange.replica, exchange.code).inc()
+            self._duration.observe(time.perf_counter() - started)
 
     async def _send_cut(self, send: Send, exchange: _Exchange) -> None:
         message = f"the gateway of {self.service!r} is shutting down"
@@ -245,6 +283,11 @@ class GatewayApp:
         refused: list[str] = []
         while True:
             pick = self.router.acquire(self.service, refused)
+            if pick is None and not refused and self.hold_max > 0:
+                pick = await self._hold(send)
+                if pick is None:  # answered: queue full or waited too long
+                    exchange.replica = NO_REPLICA
+                    return
             if pick is None:
                 self._metrics.no_backend.labels(self.service).inc()
                 exchange.replica = NO_REPLICA
@@ -263,19 +306,70 @@ class GatewayApp:
                 self.router.release(self.service, pick.replica_id)
             refused.append(pick.replica_id)
 
+    # -- holding (scale from zero) -------------------------------------------------------------
+
+    async def _hold(self, send: Send) -> Pick | None:
+        """Wait for a live replica and return it acquired; None once an error has been sent
+        (more than `hold_max` waiting, or nothing came within `hold_timeout_s`)."""
+        retry = [(b"retry-after", str(HELD_RETRY_AFTER_S).encode())]
+        if self._held >= self.hold_max:
+            self._metrics.no_backend.labels(self.service).inc()
+            message = (
+                f"service {self.service!r} has no replica serving now and {self._held} requests are "
+                f"already waiting for one (services[].gateway_queue = {self.hold_max}); retry later"
+            )
+            await _send_error(send, 503, "service_unavailable", message, retry)
+            return None
+        loop = self._loop = asyncio.get_running_loop()
+        # Counted before looking again: a replica going live after this look wakes the wait below.
+        self._held += 1
+        self.router.held_begin(self.service)
+        deadline = loop.time() + self.hold_timeout_s
+        try:
+            while True:
+                live = self._live
+                pick = self.router.acquire(self.service)
+                if pick is not None:
+                    return pick
+                left = deadline - loop.time()
+                if left <= 0:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(live.wait(), left)
+        finally:
+            self._held -= 1
+            self.router.held_end(self.service)
+        self._metrics.no_backend.labels(self.service).inc()
+        message = (
+            f"no replica of {self.service!r} became ready within {self.hold_timeout_s:g}s "
+            "(the request was held while one was started or woken; services[].gateway_queue_timeout)"
+        )
+        await _send_error(send, 503, "service_unavailable", message, retry)
+        return None
+
+    def _replicas_live(self) -> None:
+        """The router's listener: the service has a live replica again (any thread)."""
+        loop = self._loop
+        if loop is not None and self._held:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                loop.call_soon_threadsafe(self._wake_held)
+
+    def _wake_held(self) -> None:
+        live, self._live = self._live, asyncio.Event()
+        live.set()
+
     async def _attempt(self, pick: Pick, forward: _Forward, send: Send, tried: list[str]) -> bool:
         """Serve the request from `pick`; False when it could not even connect, or answered 503
         while another replica may take it (try another)."""
-        extra: dict[str, Any] = {} if self._timeout is None else {"timeout": self._timeout}
-        request = self.client.build_request(
-            forward.method,
-            pick.url + forward.target,
-            headers=forward.headers,
-            content=forward.body or None,
-            **extra,
-        )
         try:
-            upstream = await self.client.send(request, stream=True)
+            upstream = await self.client.request(
+                pick.url,
+                forward.method,
+                forward.target,
+                forward.headers,
+                forward.body,
+                read_s=self._read_timeout_s,
+            )
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             kind = "connect" if isinstance(exc, httpx.ConnectError) else "connect_timeout"
             self._upstream_error(pick, kind, exc)

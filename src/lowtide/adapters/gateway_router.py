@@ -20,6 +20,12 @@ that a replica is hung (vLLM's `/health` stays 200 while its engine is stuck).
 Draining: once `set_backends` has returned without a replica, no `acquire` can return it; every
 request that got it earlier is already counted, so `in_flight(service, replica)` only counts down
 from then on and 0 means the replica may be parked.
+Held requests (scale from zero, docs/architecture.md §4.2): while a service has no live replica
+the proxy holds its requests (`gateway_app`) and counts them here (`held_begin` / `held_end`);
+the control loop reads `held(service)` through the `Gateway` port as demand, and `on_held` (the
+loop's `wake`) is called when a request starts waiting so that the next tick comes at once.
+`set_backends` with at least one live replica calls the service's listeners (`listen`): the proxy
+then releases what it holds (no polling).
 
 Neighbours: `gateway_app` (the ASGI proxy that acquires and releases), `gateway` (the server
 that runs it). Must not: do I/O, decide which replicas should serve (the control loop does), or
@@ -58,6 +64,8 @@ class _Service:
     last_pick: dict[str, int] = field(default_factory=dict)  # live replicas only
     cooling: dict[str, float] = field(default_factory=dict)  # live replica -> passed over until then
     failing: dict[str, int] = field(default_factory=dict)  # live replica -> upstream failures in a row
+    held: int = 0  # requests waiting for a live replica (no replica could take them yet)
+    listeners: list[Callable[[], None]] = field(default_factory=list)  # told when replicas go live
 
 
 class GatewayRouter:
@@ -69,9 +77,11 @@ class GatewayRouter:
         *,
         connect_cooldown_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        on_held: Callable[[], None] | None = None,
     ) -> None:
         self.connect_cooldown_s = connect_cooldown_s
         self._clock = clock
+        self._on_held = on_held
         self._lock = threading.Lock()
         self._services: dict[str, _Service] = {}
         self._picks = 0
@@ -89,6 +99,9 @@ class GatewayRouter:
             state.failing = {r: n for r, n in state.failing.items() if state.live.get(r) == live.get(r)}
             state.live = live
             state.last_pick = {r: n for r, n in state.last_pick.items() if r in live}
+            listeners = tuple(state.listeners) if live else ()
+        for listener in listeners:  # outside the lock: a listener only posts to its event loop
+            listener()
 
     def in_flight(self, service: str, replica_id: str) -> int:
         """Requests that replica is still serving through the gateway (0 for unknown ones)."""
@@ -102,6 +115,12 @@ class GatewayRouter:
         with self._lock:
             state = self._services.get(service)
             return state.failing.get(replica_id, 0) if state else 0
+
+    def held(self, service: str) -> int:
+        """Requests the gateway holds for `service` because no replica can take them yet."""
+        with self._lock:
+            state = self._services.get(service)
+            return state.held if state else 0
 
     # -- introspection --------------------------------------------------------------------------
 
@@ -122,6 +141,11 @@ class GatewayRouter:
             if state is None:
                 return {}
             return {r: n for r, n in state.in_flight.items() if r not in state.live}
+
+    def held_all(self) -> dict[str, int]:
+        """`service -> held requests` for every service the router knows (0 included)."""
+        with self._lock:
+            return {service: state.held for service, state in self._services.items()}
 
     def in_flight_all(self) -> dict[str, dict[str, int]]:
         """`service -> replica -> in flight` for every live or draining replica (live ones even at 0)."""
@@ -190,6 +214,26 @@ class GatewayRouter:
             if state is not None and replica_id in state.live:
                 state.cooling[replica_id] = self._clock() + self.connect_cooldown_s
 
+    def listen(self, service: str, listener: Callable[[], None]) -> None:
+        """Call `listener` (from the caller of `set_backends`, without the lock held) each time
+        `service` is given at least one live replica."""
+        with self._lock:
+            self._services.setdefault(service, _Service()).listeners.append(listener)
+
+    def held_begin(self, service: str) -> None:
+        """A request of `service` starts waiting for a live replica."""
+        with self._lock:
+            self._services.setdefault(service, _Service()).held += 1
+        if self._on_held is not None:
+            self._on_held()
+
+    def held_end(self, service: str) -> None:
+        """A held request stopped waiting (a replica took it, it timed out, or its client left)."""
+        with self._lock:
+            state = self._services.get(service)
+            if state is not None and state.held > 0:
+                state.held -= 1
+
     def release(self, service: str, replica_id: str) -> None:
         """The request `acquire` counted on that replica is over (answered, failed or abandoned)."""
         with self._lock:
@@ -219,7 +263,9 @@ class GatewayMetrics:
       after the response began; the client's stream is cut), `unavailable` (it answered 503, e.g.
       vLLM's full queue, and the request was retried on another replica).
     - `lowtide_gateway_no_backend_total{service}`: requests answered 503 because no replica could
-      take them.
+      take them (the hold queue full, a held request past its timeout, or every replica refused).
+    - `lowtide_gateway_held{service}`: requests held now because the service has no live replica
+      (scale from zero); read from the router at scrape time.
     """
 
     def __init__(self, router: GatewayRouter, registry: CollectorRegistry) -> None:
@@ -272,10 +318,19 @@ class _InFlightCollector(Collector):
             for replica, count in sorted(replicas.items()):
                 family.add_metric([service, replica], count)
         yield family
+        held = GaugeMetricFamily(
+            "lowtide_gateway_held",
+            "Requests held because the service has no live replica yet (scale from zero).",
+            labels=["service"],
+        )
+        for service, count in sorted(self._router.held_all().items()):
+            held.add_metric([service], count)
+        yield held
 
     def describe(self) -> Iterable[Metric]:
         # Without describe(), registering would call collect() (harmless, but it takes the lock).
         yield GaugeMetricFamily("lowtide_gateway_in_flight", "", labels=["service", "replica"])
+        yield GaugeMetricFamily("lowtide_gateway_held", "", labels=["service"])
 
 
 class _OneService(Collector):

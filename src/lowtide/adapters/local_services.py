@@ -26,15 +26,18 @@ within milliseconds of its wake, not a tick or two later.
 - STARTING (live): launched; GET /health until 200 → HEALTHY, event ``healthy``. Not healthy
   within ``launch.health_timeout_s`` → KILLING.
 - HEALTHY (live): serving; only the process is watched (no HTTP).
-- SLEEPING (live): park "sleep": POST /sleep?level=1, then GET /is_sleeping until true → ASLEEP,
+- SLEEPING (live): park "sleep": POST /sleep?level=N (N: `ReplicaLaunch.sleep_level`, 1 or 2),
+  then GET /is_sleeping until true → ASLEEP,
   event ``asleep``; deadline ``launch.health_timeout_s`` → KILLING. vLLM serves ``/sleep``,
   ``/wake_up`` and ``/is_sleeping`` only with ``VLLM_SERVER_DEV_MODE=1`` in its environment (and
   frees memory only with ``--enable-sleep-mode``; see docs/vllm.md): a POST answered 404 (dev mode
   off) or any other error status falls back to a graceful stop, event ``stopped`` whose detail
   says why, logged as a warning naming ``VLLM_SERVER_DEV_MODE``.
-- ASLEEP (live): weights in host RAM, GPU memory freed; only the process is watched.
-- WAKING (live): unpark of an asleep replica: POST /wake_up, then /is_sleeping false and /health
-  200 → HEALTHY, event ``healthy``; deadline ``launch.health_timeout_s`` → KILLING.
+- ASLEEP (live): level 1: weights in host RAM, level 2: weights discarded; GPU memory freed but
+  for CUDA graphs, NCCL buffers and the context (docs/vllm.md); only the process is watched.
+- WAKING (live): unpark of an asleep replica: POST /wake_up (level 2: wake the weights, POST
+  /collective_rpc reload_weights, wake the KV cache: `replica_checks`), then /is_sleeping false
+  and /health 200 → HEALTHY, event ``healthy``; deadline ``launch.health_timeout_s`` → KILLING.
 - CHECKING (live): adopted after a control-plane restart: /is_sleeping true → ASLEEP (``asleep``),
   else /health 200 → HEALTHY (``healthy``); deadline ``launch.health_timeout_s`` after adoption.
 - STOPPING (live): park "stop": SIGTERM to the group; SIGKILL once `stop_grace_s` has passed; when
@@ -211,9 +214,10 @@ class LocalServiceManager:
         self._spawn(launch, now)
 
     def park(self, replica_id: str, mode: ParkMode, now: float) -> None:
-        """`sleep`: POST /sleep?level=1 → `asleep`; `stop`: SIGTERM → `stopped` (SIGKILL after
-        `stop_grace_s`). A replica that is not serving yet cannot sleep and is stopped instead.
-        Parking a parked replica reports its state again. Raises ValueError if unknown."""
+        """`sleep`: POST /sleep?level=N (the launch's `sleep_level`) → `asleep`; `stop`: SIGTERM
+        → `stopped` (SIGKILL after `stop_grace_s`). A replica that is not serving yet cannot
+        sleep and is stopped instead. Parking a parked replica reports its state again. Raises
+        ValueError if unknown."""
         if mode not in ("stop", "sleep"):
             raise ValueError(f"unknown park mode {mode!r}")
         rep = self._get(replica_id)
@@ -430,7 +434,7 @@ class LocalServiceManager:
             kind = "is_sleeping" if rep.posted else "sleep"
         else:
             kind = "awake" if rep.posted else "wake"
-        rep.inflight = self._checker.submit(_base_url(rep.launch), kind)
+        rep.inflight = self._checker.submit(_base_url(rep.launch), kind, rep.launch.sleep_level)
         rep.inflight.add_done_callback(partial(self._answered, kind))
         rep.inflight_op = rep.op
         rep.inflight_kind = kind

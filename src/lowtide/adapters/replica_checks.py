@@ -4,8 +4,9 @@ Role: `Checker` runs every HTTP check of `adapters.local_services` on one backgr
 with an asyncio loop (`httpx.AsyncClient`, no proxies from the environment, no keep-alive, one
 timeout per request). `submit` returns a `concurrent.futures.Future` at once, so the control loop
 never blocks on a replica; a hanging request holds no thread; `close` cancels what is in flight.
-A check (`ProbeKind`) is one or two requests to vLLM's endpoints (``/health``, ``POST /sleep``,
-``POST /wake_up``, ``/is_sleeping``), and its `Answer` says what came back, or why nothing did.
+A check (`ProbeKind`) is one or a few requests to vLLM's endpoints (``/health``, ``POST /sleep``,
+``POST /wake_up``, ``/is_sleeping``; after a level-2 sleep the wake also reloads the weights
+through ``POST /collective_rpc``), and its `Answer` says what came back, or why nothing did.
 A sleep is confirmed twice: ``/is_sleeping`` true, and, where the server exports it (vLLM's V1
 ``vllm:engine_sleep_state`` gauge, vllm/v1/metrics/loggers.py, 0.11+ and the 0.33 line checked in
 docs/vllm.md), no engine with ``sleep_state="awake"`` at 1; a server without the family is
@@ -85,12 +86,36 @@ def _sleeping_flag(response: httpx.Response) -> bool | None:
     return value if isinstance(value, bool) else None
 
 
-async def _probe(client: httpx.AsyncClient, base: str, kind: ProbeKind) -> Answer:
+async def _wake_and_reload(client: httpx.AsyncClient, base: str) -> Answer:
+    """Wake from sleep level 2, whose weights were discarded: vLLM's documented sequence
+    (vLLM's docs/features/sleep_mode.md, "Sleep level 2", since PR 28357; current tree):
+    ``POST /wake_up?tags=weights`` (the weight memory back, contents undefined),
+    ``POST /collective_rpc {"method": "reload_weights"}`` (each worker loads them again from
+    the model's files: vllm/entrypoints/serve/dev/rpc/api_router.py; the worker's
+    `reload_weights` is in current trees only, an older V1 gpu_worker.py read at commit 0012cf69
+    lacks it), then ``POST /wake_up?tags=kv_cache``. The first status not 2xx is the answer."""
+    steps = (
+        ("/wake_up", {"tags": "weights"}, None),
+        ("/collective_rpc", None, {"method": "reload_weights"}),
+        ("/wake_up", {"tags": "kv_cache"}, None),
+    )
+    status = 0
+    for path, params, body in steps:
+        status = (await client.post(f"{base}{path}", params=params, json=body)).status_code
+        if not 200 <= status < 300:
+            break
+    return Answer(status=status)
+
+
+async def _probe(client: httpx.AsyncClient, base: str, kind: ProbeKind, level: int = 1) -> Answer:
     try:
         if kind == "health":
             return Answer(status=(await client.get(f"{base}/health")).status_code)
         if kind == "sleep":
-            return Answer(status=(await client.post(f"{base}/sleep", params={"level": "1"})).status_code)
+            answer = await client.post(f"{base}/sleep", params={"level": str(level)})
+            return Answer(status=answer.status_code)
+        if kind == "wake" and level == 2:
+            return await _wake_and_reload(client, base)
         if kind == "wake":
             return Answer(status=(await client.post(f"{base}/wake_up")).status_code)
         response = await client.get(f"{base}/is_sleeping")
@@ -146,8 +171,9 @@ class Checker:
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._client.aclose()
 
-    def submit(self, base: str, kind: ProbeKind) -> Future[Answer]:
-        return asyncio.run_coroutine_threadsafe(_probe(self._client, base, kind), self._loop)
+    def submit(self, base: str, kind: ProbeKind, level: int = 1) -> Future[Answer]:
+        """`level`: the vLLM sleep level a ``sleep`` check asks for and a ``wake`` check undoes."""
+        return asyncio.run_coroutine_threadsafe(_probe(self._client, base, kind, level), self._loop)
 
     def close(self) -> None:
         if self._closed:

@@ -24,6 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from lowtide.cli.client import ApiFailure, Client
+from lowtide.cli.doctor_cmd import doctor_command
 from lowtide.cli.emulate_cmd import emulate_app
 from lowtide.cli.loadgen_cmd import loadgen_app
 from lowtide.cli.metrics_cmd import metrics_app
@@ -46,6 +47,7 @@ app.add_typer(metrics_app, name="metrics", help="Read vLLM /metrics the way lowt
 app.add_typer(emulate_app, name="emulate", help="Emulated inference servers for machines without GPUs.")
 app.add_typer(loadgen_app, name="loadgen")
 app.add_typer(simulate_app, name="simulate", help="Simulate lending on a virtual clock over real traces.")
+app.command("doctor", help="Check a running vLLM replica against what lowtide needs.")(doctor_command)
 
 
 out = console()

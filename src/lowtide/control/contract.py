@@ -9,6 +9,7 @@ the process environment, the clock or files.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -17,6 +18,7 @@ from lowtide.domain.gpus import cuda_visible_devices
 from lowtide.domain.layout import is_remote, join_uri
 from lowtide.domain.spec import ResolvedStep
 from lowtide.domain.spec_render import param_text
+from lowtide.policy.lending import GpuShare
 
 _ENV_UNSAFE = re.compile(r"[^A-Za-z0-9_]")
 
@@ -46,6 +48,7 @@ def step_environment(
     api_url: str | None,
     step_token: str | None,
     storage_options: Mapping[str, Any] | None = None,
+    gpu_share: GpuShare | None = None,
 ) -> dict[str, str]:
     env: dict[str, str] = dict(resolved.env)
     env.update(
@@ -75,6 +78,10 @@ def step_environment(
         env["LOWTIDE_STEP_TOKEN"] = step_token
     if storage_options:
         env["LOWTIDE_STORAGE_OPTIONS"] = json.dumps(dict(storage_options), sort_keys=True)
+    if gpu_share is not None:  # GPUs lent from under a sleeping replica (§4.2): not empty
+        env["LOWTIDE_GPU_MEMORY_RESERVED_GIB"] = f"{math.ceil(gpu_share.reserved_gib * 100) / 100:g}"
+        if gpu_share.limit_gib is not None:  # rounded down: a limit is never overstated
+            env["LOWTIDE_GPU_MEMORY_LIMIT_GIB"] = f"{math.floor(gpu_share.limit_gib * 100) / 100:g}"
     return env
 
 

@@ -4,7 +4,8 @@ act (docs/architecture.md §4.2).
 observe: the service manager's events (settled into replica moves by the pure
 `policy.inference.settle_events` and booked at once), the replica records (one store read), the
 open reclaims and their victims' times (`control.reclaimer`), each service's metrics (its
-`MetricsSource`), what the gateway still has in flight.
+`MetricsSource`), what the gateway still has in flight and the requests it holds while a
+service has no live replica (scale from zero).
 snapshot: an immutable `policy.inference_snapshot.InferenceSnapshot`, with the memory the
 decisions carry between ticks (`InferenceMemory`, kept here).
 decide: `policy.inference.decide_inference` (scale, alerts, envelope, replica plan, reclaims,
@@ -59,7 +60,7 @@ from lowtide.policy.inference_snapshot import (
     InferenceSnapshot,
     ServiceRules,
 )
-from lowtide.policy.lending import Envelope
+from lowtide.policy.lending import Envelope, GpuShare, gpu_shares
 from lowtide.policy.reclaim import ReclaimPlan
 from lowtide.policy.replicas import ReplicaAction, ReplicaPlan, ReplicaView
 from lowtide.policy.snapshot import RunningStep
@@ -172,6 +173,8 @@ class InferenceTick:
     changed: bool = False
     #: The earliest time a decision changes with no new event or load (None: none pending).
     next_due: float | None = None
+    #: Lendable GPUs a sleeping replica still holds memory on (`policy.lending.gpu_shares`).
+    gpu_shares: Mapping[GpuRef, GpuShare] = field(default_factory=dict)
 
 
 class InferenceController:
@@ -264,10 +267,19 @@ class InferenceController:
             reclaim=plan.reclaim.plan,
             changed=plan.follow_up or follow_up,
             next_due=plan.next_due,
+            gpu_shares=gpu_shares(self.nodes, self._asleep(plan.replicas)),
         )
         self.last = result
         self._save_profiles(now)
         return result
+
+    def _asleep(self, replicas: Sequence[ReplicaView]) -> list[tuple[str, tuple[int, ...], float]]:
+        """Sleeping replicas as (node, GPUs, residual GiB per GPU) for `gpu_shares`."""
+        return [
+            (r.node, r.gpus, self.services[r.service].spec.sleep_residual_gib)
+            for r in replicas
+            if r.state == R.PARKED and r.parked_as == "sleep" and r.node and r.service in self.services
+        ]
 
     # -- observe -------------------------------------------------------------------------------
 
@@ -322,9 +334,12 @@ class InferenceController:
         signals = {name: self._collect(name, mine[name], now) for name in self.services}
         in_flight: dict[str, int] = {}
         upstream: dict[str, int] = {}
+        held: dict[str, int] = {}
         if self.gateway is not None:
             by_id = {r.id: r for r in replicas}
             for name, setup in self.services.items():
+                if n := self.gateway.held(name):
+                    held[name] = n
                 for slot in range(setup.spec.max_replicas):
                     rid = f"{name}/{slot}"
                     if rid in by_id:
@@ -343,6 +358,7 @@ class InferenceController:
             memory=self.memory,
             in_flight=in_flight,
             upstream_failures=upstream,
+            held=held,
         )
 
     def _collect(self, name: str, mine: list[ReplicaView], now: float) -> ServiceSignals:
@@ -440,7 +456,7 @@ class InferenceController:
             self.store.move_replica(rec.id, R.DRAINING, R.SERVING, now=now, message=action.reason)
         elif action.kind == "park":
             self.store.move_replica(rec.id, R.DRAINING, R.PARKING, now=now, message=action.reason)
-            self.manager.park(rec.id, setup.spec.park, now)
+            self.manager.park(rec.id, action.park_as or setup.spec.park, now)
 
     def _launch(self, setup: ServiceSetup, slot: int, node: str, gpus: tuple[int, ...]) -> ReplicaLaunch:
         rid = f"{setup.spec.name}/{slot}"
@@ -457,6 +473,7 @@ class InferenceController:
             work_dir=work_dir,
             log_path=f"{work_dir}/replica.log",
             health_timeout_s=setup.health_timeout_s,
+            sleep_level=setup.spec.sleep_level,
         )
 
     def _sync_gateway(self, replicas: Sequence[ReplicaView]) -> bool:

@@ -37,6 +37,7 @@ class ReplicaLaunch:
     work_dir: str
     log_path: str
     health_timeout_s: float  # FAILED if not healthy within this
+    sleep_level: int = 1  # vLLM sleep level for park "sleep" (2: the wake reloads the weights)
 
 
 ReplicaEventKind = Literal["healthy", "asleep", "stopped", "failed"]
@@ -107,4 +108,9 @@ class Gateway(Protocol):
     def upstream_failures(self, service: str, replica_id: str) -> int:
         """Requests in a row that failed on that replica at the gateway (timeouts, refused
         connections, broken answers); any answer resets it, and so does leaving the live set."""
+        ...
+
+    def held(self, service: str) -> int:
+        """Requests the gateway holds for `service` because no replica can take them yet (scale
+        from zero: they are demand, `policy.inference.held_floor`)."""
         ...

@@ -51,11 +51,12 @@ from lowtide.control.records import (
     StaleState,
 )
 from lowtide.control.secrets_port import SecretResolver
-from lowtide.domain.gpus import Node
+from lowtide.domain.gpus import GpuRef, Node
 from lowtide.domain.layout import ArtifactLayout, is_remote, join_uri
 from lowtide.domain.states import AttemptState, StepState
 from lowtide.policy import walltime
 from lowtide.policy.dag import advance
+from lowtide.policy.lending import GpuShare, step_gpu_share
 from lowtide.policy.outcomes import (
     ExitDecision,
     RetryPolicy,
@@ -147,6 +148,8 @@ class ControlLoop:
         self._budgets: dict[int, walltime.WalltimeBudget] = {}
         self._job_timeouts: dict[tuple[str, str], walltime.JobTimeouts] = {}
         self._start_deadlines: list[float] = []  # deadlines of the attempts this tick started
+        # Lendable GPUs a sleeping replica still holds memory on, from this tick's inference side.
+        self._gpu_shares: Mapping[GpuRef, GpuShare] = {}
         self._ticks = 0
         self.errors_total = 0
         self._wake = threading.Event()
@@ -241,6 +244,7 @@ class ControlLoop:
                 else frozenset(g for n in self.settings.nodes for g in n.refs())
             )
             snapshot = replace(snapshot, unavailable=unavailable)
+            self._gpu_shares = inference.gpu_shares if inference is not None else {}
             if inference is not None:
                 report.active = inference.changed
                 if inference.next_due is not None:
@@ -617,6 +621,7 @@ class ControlLoop:
             api_url=self.settings.api_url,
             step_token=token,
             storage_options=self.settings.storage_options,
+            gpu_share=step_gpu_share(self._gpu_shares, launch.node, launch.gpus),
         )
         env = {**env, **secret_env}
         mounts = tuple(

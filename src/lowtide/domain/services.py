@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 ParkMode = Literal["stop", "sleep"]
+SleepLevel = Literal[1, 2]
 LendingMode = Literal["window", "continuous", "forecast"]
 
 
@@ -23,11 +24,37 @@ class AutoscaleTargets:
     generation_tokens_per_s_per_replica: float | None = None  # a replica's decode capacity
     token_utilization: float = 0.8  # aim for this fraction of the token capacity
     ttft_p90_slo_s: float | None = None  # guard: above it, never scale down and add one replica
-    scale_up_window_s: float = 30.0  # recommendations are maxed over this window to go up fast
-    scale_down_stabilization_s: float = 300.0  # ... and over this one before going down
+    #: the stable window: go up to what the load asked for during the whole window (its lowest)
+    scale_up_window_s: float = 30.0
+    scale_down_stabilization_s: float = 300.0  # go down to the highest ask of this window
     tolerance: float = 0.1  # ignore changes within ±10 % of the current replica count
-    #: scale down only to a count that carries the load at (1 − this) of each target
-    scale_down_tolerance: float = 0.1
+    #: the up / down band (None: `tolerance`); the down one also bounds the flap guard
+    scale_up_tolerance: float | None = None
+    scale_down_tolerance: float | None = None
+    #: the panic window (None: 10 % of scale_up_window_s); it acts alone only when its ask is at
+    #: least panic_threshold × the serving replicas, and holds scale-downs for a stable window
+    panic_window_s: float | None = None
+    panic_threshold: float = 2.0
+    #: one scale-up within any scale_up_window_s goes at most to
+    #: max(⌈floor × max_scale_up_rate⌉, floor + max_scale_up_step) (floor: the window's lowest
+    #: needed count); None: no cap
+    max_scale_up_rate: float | None = 2.0
+    max_scale_up_step: int = 1
+    #: metrics unknown for fallback_after_s: desired = this (None: hold what was decided)
+    fallback_replicas: int | None = None
+    fallback_after_s: float = 60.0
+
+    @property
+    def up_tolerance(self) -> float:
+        return self.tolerance if self.scale_up_tolerance is None else self.scale_up_tolerance
+
+    @property
+    def down_tolerance(self) -> float:
+        return self.tolerance if self.scale_down_tolerance is None else self.scale_down_tolerance
+
+    @property
+    def panic_s(self) -> float:
+        return 0.1 * self.scale_up_window_s if self.panic_window_s is None else self.panic_window_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +70,20 @@ class ServiceSpec:
     startup_s: float = 120.0  # expected cold start (process start to healthy)
     wake_s: float = 10.0  # expected wake from sleep
     autoscale: AutoscaleTargets = field(default_factory=AutoscaleTargets)
+    #: vLLM sleep level for `park: sleep`: 1 keeps the weights in host RAM, 2 discards them (the
+    #: wake reloads them from disk); docs/architecture.md §4.2.
+    sleep_level: SleepLevel = 1
+    #: GPU memory (GiB, per GPU) a sleeping replica still holds: CUDA graphs, NCCL buffers, the
+    #: CUDA context. A step lent such a GPU gets the rest as its limit.
+    sleep_residual_gib: float = 2.0
+    #: Host RAM (GiB) one level-1 sleeping replica holds: its weights (None: unknown).
+    weights_host_gib: float | None = None
+
+    @property
+    def sleep_host_gib(self) -> float | None:
+        """Host RAM one sleeping replica holds: 0 at level 2 (weights discarded), else the
+        weights (None: unknown)."""
+        return 0.0 if self.sleep_level == 2 else self.weights_host_gib
 
     @property
     def unpark_s(self) -> float:

@@ -27,7 +27,8 @@ registered under ``if envs.VLLM_SERVER_DEV_MODE``), else 404 like any unknown pa
 ``POST /wake_up``            ``tags`` (repeatable: weights, kv_cache; default all); answers once what it
                              woke is back: ``{"status": "awake"|"sleeping", "tags_woken": [...]|null}``
 ``GET /is_sleeping``         ``{"is_sleeping": bool}``: true until every tag is awake and the wake is done
-``POST /collective_rpc``,    accepted (200) and ignored: the emulator has no workers and no caches
+``POST /collective_rpc``,    accepted (200) and logged (400 without a JSON ``method``, as vLLM): the
+                             emulator has no workers and no caches
 ``POST /reset_prefix_cache``, ``/reset_mm_cache``, ``/reset_encoder_cache``; ``GET /server_info``
 ===========================  ==============================================================================
 
@@ -325,8 +326,18 @@ class Emulator:
         return JSONResponse({"status": status, "tags_woken": tags})
 
     async def collective_rpc(self, request: Request) -> Response:
-        await request.body()
-        return JSONResponse({"results": []})
+        # vLLM (vllm/entrypoints/serve/dev/rpc/api_router.py): a JSON body naming `method`, else 400;
+        # the emulator has no workers, so the call is logged (a level-2 wake's `reload_weights`
+        # shows in the replica's log) and answers one empty result.
+        try:
+            body = json.loads(await request.body() or b"null")
+        except ValueError as exc:
+            return self._error(400, f"JSON decode error: {exc}", None)
+        method = body.get("method") if isinstance(body, dict) else None
+        if method is None:
+            return self._error(400, "Missing 'method' in request body", "method")
+        log.info("collective_rpc %s (level of the last sleep: %s)", method, self.engine.sleep_level)
+        return JSONResponse({"results": [None]})
 
     async def reset_cache(self, _request: Request) -> Response:
         return Response(status_code=200)

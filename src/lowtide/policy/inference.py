@@ -42,6 +42,14 @@ failures + 1, restart after the backoff; the same move as a failure event, `fail
 process killed; this tick's plan already counts it as lost capacity, so a replacement starts on a
 free slot. Its GPUs stay busy for the rest of this tick (the kill is still under way).
 
+Scale from zero (`held_floor`): requests the gateway holds because a service has no live replica
+(`InferenceSnapshot.held`) are demand its metrics cannot show (no replica serves them, so none
+reports them, and with nothing to scrape the autoscaler holds what it had: 0). A service holding
+requests gets needed ≥ 1 (desired = needed + headroom, at most `max_replicas`), applied after the
+autoscaler, so that "no fresh data → hold 0" never blocks it; the replica plan then wakes a
+sleeping replica or starts one. The floor also goes into the autoscaler's history, so the new
+replica is not parked again before a stabilisation window without load has passed.
+
 Draining without a gateway (`ServiceRules.drain_from_metrics`): the requests still on a DRAINING
 replica are its own metrics' running + waiting (rounded up) instead of the gateway's count; with
 those unknown or stale it has not drained (1), so only the drain timeout parks it (vLLM aborts
@@ -67,7 +75,7 @@ from typing import Protocol
 
 from lowtide.domain.gpus import GpuRef, Node
 from lowtide.domain.metrics import ReplicaSignals, ServiceSignals
-from lowtide.domain.services import LendingPolicy, ParkMode
+from lowtide.domain.services import LendingPolicy, ParkMode, ServiceSpec
 from lowtide.domain.states import GPU_HOLDING_REPLICA_STATES, SUPPLY_REPLICA_STATES, ReplicaState
 from lowtide.policy.autoscale import (
     ReplicaSupply,
@@ -289,6 +297,24 @@ def hung_replicas(snapshot: InferenceSnapshot) -> dict[str, str]:
     return out
 
 
+# -- scale from zero ------------------------------------------------------------------------------
+
+
+def held_floor(spec: ServiceSpec, decision: ScaleDecision, held: int, now: float) -> ScaleDecision:
+    """`decision` with at least one replica when the gateway holds `held` > 0 requests of the
+    service (see the module docstring); unchanged when nothing is held, the decision already wants
+    a replica, or the service may have none (`max_replicas` 0)."""
+    if held <= 0 or decision.desired >= 1 or spec.max_replicas < 1:
+        return decision
+    needed = max(decision.needed, 1)
+    desired = min(spec.max_replicas, needed + max(spec.headroom_replicas, 0))
+    state = replace(
+        decision.state, history=(*decision.state.history, (now, needed)), desired=desired, needed=needed
+    )
+    reason = f"{decision.reason}; {held} request(s) held at the gateway with no replica serving → {desired}"
+    return replace(decision, desired=desired, needed=needed, reason=reason, state=state)
+
+
 # -- the decision -------------------------------------------------------------------------------
 
 
@@ -412,6 +438,7 @@ def decide_services(snapshot: InferenceSnapshot) -> ScalePlan:
         )
         state = scale_states.get(name) or initial_state(spec)
         decision = decide_scale(spec, signals, supply, state, now)
+        decision = held_floor(spec, decision, snapshot.held.get(name, 0), now)
         scale_states[name] = decision.state
         decisions[name] = decision
         history = history_all.get(name, ())

@@ -3,7 +3,8 @@
 Role: what `policy.inference.decide_inference` (and `policy.reclaim_phases` inside it) needs to
 know, as values: `now`, the nodes, each service's spec and its timeouts, the replicas (after this
 tick's service-manager events), each service's signals and what the gateway still has in flight
-(and the upstream failures in a row it saw per replica),
+(and the upstream failures in a row it saw per replica, and the requests it holds per service
+because no replica could take them),
 the step side's running steps, the open reclaims with their victims' notice and end times, and
 `InferenceMemory`: what the decisions remember from one tick to the next (scale states, needed
 history, forecast profiles, surge times, alert texts, when each service's data was last fresh).
@@ -102,3 +103,6 @@ class InferenceSnapshot:
     #: Upstream failures in a row the gateway saw on a replica (timeouts, refused connections,
     #: broken answers; by replica id; absent: 0; reset by any answer).
     upstream_failures: Mapping[str, int] = field(default_factory=dict)
+    #: Requests the gateway holds because the service has no live replica (by service name;
+    #: absent: 0). Demand: a service holding requests gets at least one replica.
+    held: Mapping[str, int] = field(default_factory=dict)

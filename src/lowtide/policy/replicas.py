@@ -8,7 +8,10 @@ Per service, given the desired replica count (from `policy.autoscale`):
   on one node. What cannot be placed is reported as blocked, with the reason.
 - too many: drain the serving replica with the fewest requests in flight (highest slot on ties):
   it leaves the gateway first; a draining replica is parked (`spec.park`: sleep or stop) once it
-  has nothing in flight or its drain timeout has passed. **Make before break**: a replica leaves
+  has nothing in flight or its drain timeout has passed. A level-1 sleep keeps the weights in
+  host RAM: where the node's budget for sleeping replicas (`Node.sleep_host_ram_gib`) cannot hold
+  them too, the replica parks by stop instead (`choose_park`; the action's reason says why;
+  docs/architecture.md §4.2). **Make before break**: a replica leaves
   routing only when the SERVING replicas that stay are at least the desired count, so replicas
   still starting or waking never stand in for one that serves (scale-down waits for them to
   serve; docs/architecture.md §4.2).
@@ -81,6 +84,7 @@ class ReplicaAction:
     node: str | None = None
     gpus: tuple[int, ...] = ()
     reason: str = ""
+    park_as: ParkMode | None = None  # a park: how (None: the service's `park`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,9 +118,58 @@ def plan_replicas_on(
         free[n.name] = [i for i in n.gpus if i not in held] if held else list(n.gpus)
     actions: list[ReplicaAction] = []
     blocked: list[Blocked] = []
+    services = tuple(services)
+    budgets = {n.name: n.sleep_host_ram_gib for n in nodes}
+    host_ram = sleeping_host_ram(services, budgets)
     for svc in services:
-        _plan_service(svc, free, nodes, now, actions, blocked)
+        _plan_service(svc, free, nodes, now, actions, blocked, host_ram, budgets)
     return ReplicaPlan(tuple(actions), tuple(blocked))
+
+
+def sleeping_host_ram(
+    services: Iterable[ServiceView], budgets: Mapping[str, float | None]
+) -> dict[str, float]:
+    """Host RAM (GiB) per node held by sleeping replicas: PARKED asleep, and PARKING ones of a
+    service that parks by sleep (counted as asleep until they report: the cautious side). A
+    replica whose weights are unknown counts as its node's whole budget (`choose_park`)."""
+    used: dict[str, float] = {}
+    for svc in services:
+        spec = svc.spec
+        if spec.park != "sleep":
+            continue
+        for r in svc.replicas:
+            asleep = r.state == R.PARKED and r.parked_as == "sleep"
+            if r.node is None or not (asleep or r.state == R.PARKING):
+                continue
+            gib = spec.sleep_host_gib
+            if gib is None:
+                gib = budgets.get(r.node) or 0.0
+            used[r.node] = used.get(r.node, 0.0) + gib
+    return used
+
+
+def choose_park(spec: ServiceSpec, budget_gib: float | None, used_gib: float) -> tuple[ParkMode, str]:
+    """How a drained replica of `spec` parks on a node whose sleeping replicas already hold
+    `used_gib` of a host-RAM budget of `budget_gib` (None: no budget), and why. A level-2 sleep
+    holds no host RAM; a level-1 sleep holds the weights (`weights_host_gib`; unknown counts as
+    the whole budget, so only one such replica sleeps per node). Past the budget: stop."""
+    if spec.park != "sleep":
+        return "stop", "park: stop"
+    if spec.sleep_level == 2:
+        return "sleep", "park: sleep (level 2: weights discarded, no host RAM held)"
+    if budget_gib is None:
+        return "sleep", "park: sleep"
+    need = spec.sleep_host_gib
+    known = need is not None
+    need = need if need is not None else budget_gib
+    if used_gib + need <= budget_gib:
+        held = f"{used_gib + need:g} of {budget_gib:g} GiB"
+        return "sleep", f"park: sleep (host RAM for sleeping replicas: {held})"
+    weights = f"{need:g} GiB of weights" if known else "weights of unknown size (weights_host_gib unset)"
+    return "stop", (
+        f"parked by stop, not sleep: host RAM for sleeping replicas on this node is "
+        f"{used_gib:g} of {budget_gib:g} GiB in use and this replica would add {weights}"
+    )
 
 
 def _plan_service(
@@ -126,6 +179,8 @@ def _plan_service(
     now: float,
     actions: list[ReplicaAction],
     blocked: list[Blocked],
+    host_ram: dict[str, float],
+    budgets: Mapping[str, float | None],
 ) -> None:
     spec = svc.spec
     supply = [r for r in svc.replicas if r.state in SUPPLY_REPLICA_STATES]
@@ -139,8 +194,13 @@ def _plan_service(
         for r in draining:
             if r.in_flight == 0 or now - r.since >= svc.drain_timeout_s:
                 why = "drained" if r.in_flight == 0 else f"drain timeout ({r.in_flight} still in flight)"
+                node = r.node or ""
+                mode, how = choose_park(spec, budgets.get(node), host_ram.get(node, 0.0))
+                if mode == "sleep" and spec.sleep_level == 1:
+                    held = spec.sleep_host_gib or budgets.get(node) or 0.0
+                    host_ram[node] = host_ram.get(node, 0.0) + held
                 actions.append(
-                    ReplicaAction("park", r.id, spec.name, r.node, r.gpus, f"{why}; park: {spec.park}")
+                    ReplicaAction("park", r.id, spec.name, r.node, r.gpus, f"{why}; {how}", park_as=mode)
                 )
 
     if missing > 0:
