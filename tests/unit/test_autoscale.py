@@ -696,3 +696,20 @@ def test_a_fallback_counts_headroom_and_stays_within_min_and_max() -> None:
     s = spec(min_replicas=2, max_replicas=4, headroom=1, fallback_replicas=0, fallback_after_s=0.0)
     d = decide_scale(s, load(), supply(2), initial_state(s), 0.0)
     assert (d.needed, d.desired) == (2, 3)
+
+
+def test_a_scale_down_at_no_load_undone_by_a_new_surge_does_not_pin_the_replicas() -> None:
+    """benchmarks/reclaim.py, second surge: a surge ends, the service goes 2 → 1 at zero load,
+    the next surge takes it back to 2 within two stabilisation windows. That is new load, not
+    batching: no flap guard (armed at 0 replicas' worth it could never be released, "below 0",
+    and the service stayed at 2 for good, the research step it preempted never resumed)."""
+    s = spec(max_replicas=2, concurrency=4.0, up_window=2.0, down_window=5.0, tolerance=0.0)
+    idle2, idle1, busy1 = conc(0, 0), conc(0), conc(12)
+    d = run(s, [(0.0, idle2, supply(2)), (6.0, idle2, supply(2))])
+    assert desired(d) == [2, 1]  # surge 1 over: scale-down at no load
+    d = run(s, [(7.0, idle1, supply(1)), (8.0, busy1, supply(1)), (10.5, busy1, supply(1))], d[-1].state)
+    assert desired(d)[-1] == 2  # surge 2: undone within 2 × 5 s
+    assert d[-1].state.flap_guard is None
+    quiet = [(11.0 + k, idle2, supply(2)) for k in range(8)]
+    d = run(s, quiet, d[-1].state)
+    assert desired(d)[-1] == 1, d[-1].reason  # surge 2 over: down again after the window

@@ -58,7 +58,8 @@ defaults in brackets). Only *fresh* replicas count: a stale replica's numbers ar
                    from n is undone within 2 stabilisation windows, needed stays ≥ n until the load
                    (Σ signal / target, unrounded) is below what it was at that scale-down × (1 −
                    scale_down_tolerance); the simulator found n ↔ n−1 preempting research
-                   every five minutes without it.
+                   every five minutes without it. Not after a scale-down at no load (0
+                   replicas' worth): nothing misled it, and "below 0" would hold n forever.
 
 Why (issue 9, defect 5): with `up` = the highest rec of the up window, one 2 s reading of 64
 requests took a service from 1 to 8 replicas and held 8 for the stabilisation window — in lowtide
@@ -303,7 +304,9 @@ def decide_scale(
         down_from = (prev_needed, worth, now)
     elif needed > prev_needed and down_from is not None:
         level, load_then, at = down_from
-        if needed >= level and now - at <= 2 * t.scale_down_stabilization_s:
+        # A scale-down at no load was not misled by batching (the load that came back is new),
+        # and a guard armed at 0 could never be released: the load cannot fall below 0.
+        if needed >= level and now - at <= 2 * t.scale_down_stabilization_s and load_then > 0:
             flap_guard = (level, load_then)  # the scale-down was a mistake: do not repeat it
         down_from = None
 
