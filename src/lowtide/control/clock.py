@@ -8,12 +8,20 @@ from typing import Protocol
 
 class Clock(Protocol):
     def now(self) -> float:
-        """Seconds since the epoch (UTC)."""
+        """Control time: seconds since the epoch (UTC), for deadlines, durations and records."""
+        ...
+
+    def wall(self) -> float:
+        """The system's wall clock now: only to convert times other processes wrote (a shim's
+        exit record) and to notice that the wall clock jumped."""
         ...
 
 
 class SystemClock:
     def now(self) -> float:
+        return time.time()
+
+    def wall(self) -> float:
         return time.time()
 
 
@@ -24,6 +32,9 @@ class FakeClock:
         self._now = start
 
     def now(self) -> float:
+        return self._now
+
+    def wall(self) -> float:
         return self._now
 
     def advance(self, seconds: float) -> float:

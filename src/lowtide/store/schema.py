@@ -41,9 +41,15 @@ jobs = sa.Table(
     # The submitted text, byte for byte as received (decoded UTF-8), for the record.
     sa.Column("source_text", sa.Text, nullable=False),
     sa.Column("message", sa.Text, nullable=False, server_default=""),
+    # An `Idempotency-Key` the client sent with the submit (0006): a retry with the same owner and
+    # key returns this job instead of creating another; `request_digest` (sha256 of the request)
+    # tells a retry from a different request reusing the key.
+    sa.Column("idempotency_key", sa.String(128)),
+    sa.Column("request_digest", sa.String(64)),
     sa.Index(None, "state"),
     sa.Index(None, "team"),
     sa.Index(None, "submitted_at"),
+    sa.Index(None, "owner", "idempotency_key", unique=True),
 )
 
 steps = sa.Table(
@@ -242,4 +248,31 @@ reclaims = sa.Table(
     sa.Column("freed_at", Time),
     sa.Column("healthy_at", Time),
     sa.Index(None, "state"),
+)
+
+
+# The control-plane lease (0006): who may act on this database. One row per lease name
+# ("control"); `token` is the fencing token, raised by one at every change of holder, that the
+# holder's writes carry and the store checks (docs/architecture.md §4.4).
+control_lease = sa.Table(
+    "control_lease",
+    metadata,
+    sa.Column("name", sa.String(63), primary_key=True),
+    sa.Column("holder", sa.String(128), nullable=False),
+    sa.Column("host", sa.String(255), nullable=False, server_default=""),
+    sa.Column("pid", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("token", sa.BigInteger, nullable=False),
+    sa.Column("acquired_at", Time, nullable=False),
+    sa.Column("renewed_at", Time, nullable=False),
+    sa.Column("expires_at", Time, nullable=False),
+)
+
+# What the control plane remembers across restarts beyond the rows above (0006): the autoscaler's
+# windows and similar controller memory, one JSON document per key.
+control_state = sa.Table(
+    "control_state",
+    metadata,
+    sa.Column("key", sa.String(128), primary_key=True),
+    sa.Column("value", sa.JSON, nullable=False),
+    sa.Column("updated_at", Time, nullable=False),
 )
