@@ -136,6 +136,25 @@ def kill_steps_and_close(lt: Embedded) -> None:
 STEP_USER = "lowtide-step"
 
 
+def step_attempt_token(lt: Embedded, job_id: str, step: str) -> tuple[int, str]:
+    """Book an attempt of `step` (no GPUs) as the loop would, and mint its step token: what a
+    running step reports checkpoints with. Returns (attempt id, raw token)."""
+    lt.store.ensure_gpus(lt.nodes, lt.clock.now())
+    launch = lt.store.begin_attempt(
+        job_id=job_id,
+        step=step,
+        node=lt.nodes[0].name,
+        gpus=(),
+        layout=lt.loop.settings.layout,
+        now=lt.clock.now(),
+        reason="test",
+    )
+    _, token = lt.store.create_token(
+        name="s", owner=f"step:{job_id}", role="step", now=lt.clock.now(), attempt_id=launch.attempt_id
+    )
+    return launch.attempt_id, token
+
+
 def ensure_step_user() -> str:
     """The operator's step user (created when missing, as `make test` and CI do); the Python
     that runs lowtide and the repository must be reachable by other uids, or steps cannot run.

@@ -13,7 +13,7 @@ import yaml
 from fastapi.testclient import TestClient
 
 from lowtide.wiring import Embedded
-from support import embedded
+from support import embedded, step_attempt_token
 
 GOOD = {
     "name": "sft",
@@ -222,22 +222,10 @@ def test_tokens_are_managed_by_admins_only(api: Api) -> None:
 def test_a_step_token_may_only_report_checkpoints_for_its_own_attempt(api: Api) -> None:
     lt = api.lt
     job = api.submit(api.alice).json()["id"]
-    lt.store.ensure_gpus(lt.nodes, lt.clock.now())
-    launch = lt.store.begin_attempt(
-        job_id=job,
-        step="prep",
-        node="node-a",
-        gpus=(),
-        layout=lt.loop.settings.layout,
-        now=lt.clock.now(),
-        reason="test",
-    )
-    _, step_token = lt.store.create_token(
-        name="s", owner=f"step:{job}", role="step", now=lt.clock.now(), attempt_id=launch.attempt_id
-    )
+    attempt_id, step_token = step_attempt_token(lt, job, "prep")
     url = f"/v1/jobs/{job}/steps/prep/checkpoints"
     r = api.client.post(url, json={"label": "ckpt-1", "progress": "step 10"}, headers=api.h(step_token))
-    assert r.status_code == 201 and r.json()["attempt_id"] == launch.attempt_id
+    assert r.status_code == 201 and r.json()["attempt_id"] == attempt_id
     assert lt.store.job_detail(job).steps[0].last_checkpoint == "ckpt-1"
     assert api.client.post(url, json={"label": "x"}, headers=api.h(api.alice)).status_code == 403
     assert api.client.get("/v1/jobs", headers=api.h(step_token)).status_code == 403

@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from lowtide.config import ConfigError, auth_exposure_problem
 from lowtide.control.contract import parse_checkpoint_label
 from lowtide.wiring import Embedded, serve
-from support import embedded, settings_for
+from support import embedded, settings_for, step_attempt_token
 
 GOOD: dict[str, Any] = {
     "name": "sft",
@@ -248,19 +248,7 @@ def test_checkpoint_labels_follow_one_rule() -> None:
 def test_the_api_refuses_the_labels_latest_would_refuse(api: Api) -> None:
     lt = api.lt
     job = api.post("/v1/jobs", yaml.safe_dump(GOOD), "application/yaml").json()["id"]
-    lt.store.ensure_gpus(lt.nodes, lt.clock.now())
-    launch = lt.store.begin_attempt(
-        job_id=job,
-        step="prep",
-        node="node-a",
-        gpus=(),
-        layout=lt.loop.settings.layout,
-        now=lt.clock.now(),
-        reason="test",
-    )
-    _, step_token = lt.store.create_token(
-        name="s", owner=f"step:{job}", role="step", now=lt.clock.now(), attempt_id=launch.attempt_id
-    )
+    _, step_token = step_attempt_token(lt, job, "prep")
     ck = lt.loop.settings.layout.checkpoints(job, "prep")
     url = f"/v1/jobs/{job}/steps/prep/checkpoints"
     headers = {"Authorization": f"Bearer {step_token}"}
