@@ -24,10 +24,11 @@ Time = sa.Float(precision=53)
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("jobs", schema=None) as batch_op:
-        batch_op.add_column(sa.Column("idempotency_key", sa.String(128), nullable=True))
-        batch_op.add_column(sa.Column("request_digest", sa.String(64), nullable=True))
-        batch_op.create_index("ix_jobs_owner_idempotency_key", ["owner", "idempotency_key"], unique=True)
+    # Not batch mode: on SQLite it would copy and drop `jobs`, and the drop cascades to steps and
+    # attempts (ON DELETE CASCADE). ADD COLUMN and CREATE INDEX need no copy.
+    op.add_column("jobs", sa.Column("idempotency_key", sa.String(128), nullable=True))
+    op.add_column("jobs", sa.Column("request_digest", sa.String(64), nullable=True))
+    op.create_index("ix_jobs_owner_idempotency_key", "jobs", ["owner", "idempotency_key"], unique=True)
     op.create_table(
         "control_lease",
         sa.Column("name", sa.String(63), nullable=False),
@@ -52,7 +53,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_table("control_state")
     op.drop_table("control_lease")
-    with op.batch_alter_table("jobs", schema=None) as batch_op:
-        batch_op.drop_index("ix_jobs_owner_idempotency_key")
-        batch_op.drop_column("request_digest")
-        batch_op.drop_column("idempotency_key")
+    op.drop_index("ix_jobs_owner_idempotency_key", table_name="jobs")
+    for column in ("request_digest", "idempotency_key"):
+        # SQLite ≥ 3.35 drops a column in place (no table copy, so no cascade; see upgrade).
+        op.execute(sa.text(f"ALTER TABLE jobs DROP COLUMN {column}"))
