@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from lowtide.control.lease import timing_problem
 from lowtide.domain.services import AutoscaleTargets, LendingPolicy, ServiceSpec, TimeWindow
 from lowtide.policy.fairshare import FairSharePolicy
 from lowtide.policy.scheduler import SchedulerPolicy
@@ -94,6 +95,13 @@ class ApiConfig(_Strict):
     #: Web origins (``https://dash.example.org``) whose pages may call the API from a browser
     #: (CORS). Empty (the default): no CORS headers at all, so no other site's page can read it.
     cors_origins: list[str] = Field(default_factory=list)
+    #: Seconds the store may fail before ``/healthz`` answers 503 (docs/architecture.md §4.4).
+    store_unhealthy_after: float = Field(default=30.0, gt=0, le=86400, allow_inf_nan=False)
+
+    @field_validator("store_unhealthy_after", mode="before")
+    @classmethod
+    def _unhealthy_after(cls, v: Any) -> float:
+        return parse_duration(v)
 
     @field_validator("cors_origins")
     @classmethod
@@ -211,6 +219,10 @@ class ExecutorConfig(_Strict):
     retry_backoff_max: float = 600.0
     #: How often the loop looks for a new ``LATEST`` in each running step's checkpoint dir.
     checkpoint_poll: float = 10.0
+    #: A resumed attempt that fails on its own this soon after starting, before any new
+    #: checkpoint, crashed on its checkpoint: marked bad, the step is retried from the one
+    #: before without using a retry (`policy.checkpoints`). 0 turns this off.
+    resume_crash_window: float = 120.0
     #: Run steps as this Unix user's primary group, with one uid per job (`job_uid_base` + the
     #: job's serial), so steps can read neither the state dir nor each other (needs root).
     #: None: steps run as lowtide's own user (`lowtide up` warns). docs/architecture.md §6.4.
@@ -229,6 +241,14 @@ class ExecutorConfig(_Strict):
     @classmethod
     def _duration(cls, v: Any) -> float:
         return parse_duration(v)
+
+    @field_validator("resume_crash_window", mode="before")
+    @classmethod
+    def _crash_window(cls, v: Any) -> float:
+        seconds = parse_duration(v)
+        if not 0 <= seconds <= 86_400:
+            raise ValueError("must be between 0 (off) and 1 day")
+        return seconds
 
     @field_validator("run_as")
     @classmethod
@@ -577,6 +597,40 @@ class SecretConfig(_Strict):
         return v
 
 
+class ControlConfig(_Strict):
+    """The one active control plane (docs/architecture.md §4.4): several `lowtide up` may share a
+    store; the holder of its lease acts, the others stand by and take over when it expires."""
+
+    #: How long the lease lasts without a renew: a standby takes over at most this long (plus
+    #: `lease_renew`) after the leader died; the leader stops acting at 80 % of it after its
+    #: last renew began.
+    lease_ttl: float = 15.0
+    #: How often the leader renews the lease and a standby tries to take it; at most 0.4 × the ttl.
+    lease_renew: float = 5.0
+    #: After taking over the expired lease of *another host*, wait this long before recovering
+    #: (recovery requeues the attempts it cannot find on this host as lost).
+    foreign_takeover_grace: float = 300.0
+    #: Where the gateway process keeps its routing table, status and identity (default
+    #: ``<state_dir>/gateway``). A hot standby on the same host must share it with the leader, so
+    #: that whichever leads adopts the one gateway that holds the ports (a private directory both
+    #: can write; lowtide keeps it 0700).
+    gateway_dir: str | None = None
+
+    @field_validator("lease_ttl", "lease_renew", "foreign_takeover_grace", mode="before")
+    @classmethod
+    def _duration(cls, v: Any) -> float:
+        return parse_duration(v)
+
+    @model_validator(mode="after")
+    def _timing(self) -> ControlConfig:
+        problem = timing_problem(self.lease_ttl, self.lease_renew)
+        if problem:
+            raise ValueError(problem)
+        if not 1 <= self.lease_ttl <= 3600:
+            raise ValueError("lease_ttl: between 1 s and 1 h")
+        return self
+
+
 class Settings(BaseSettings):
     """Everything a lowtide installation is configured with."""
 
@@ -588,6 +642,9 @@ class Settings(BaseSettings):
     state_dir: str = ".lowtide"
     #: SQLAlchemy URL; default ``sqlite:///<state_dir>/lowtide.db``; production: ``postgresql+psycopg://...``
     store_url: str | None = None
+    #: How long a write waits for a lock another connection holds before it fails as a store
+    #: outage (SQLite busy_timeout, PostgreSQL lock_timeout; retried; docs/architecture.md §4.4).
+    store_busy_timeout: float = Field(default=5.0, gt=0, le=600, allow_inf_nan=False)
     #: Inputs, outputs and checkpoints: a local path or any fsspec URL (``s3://bucket/prefix``).
     artifact_root: str | None = None
     #: fsspec storage options for the artifact root (``endpoint_url``, ``key``, ``secret``...).
@@ -603,6 +660,8 @@ class Settings(BaseSettings):
     services: list[ServiceConfig] = Field(default_factory=list)
     lending: LendingConfig = Field(default_factory=LendingConfig)
     accounting: AccountingConfig = Field(default_factory=AccountingConfig)
+    #: The lease that makes one of several `lowtide up` on one store the acting one.
+    control: ControlConfig = Field(default_factory=ControlConfig)
     #: Secrets jobs may name by reference, by name (docs/architecture.md §11).
     secrets: dict[str, SecretConfig] = Field(default_factory=dict)
 
@@ -613,6 +672,11 @@ class Settings(BaseSettings):
             if not _NAME_RULE.fullmatch(name):
                 raise ValueError(f"{name!r} is not a valid secret name (lowercase letters, digits, '-')")
         return v
+
+    @field_validator("store_busy_timeout", mode="before")
+    @classmethod
+    def _busy(cls, v: Any) -> float:
+        return parse_duration(v)
 
     @field_validator("tick_seconds", mode="before")
     @classmethod
@@ -711,6 +775,10 @@ class Settings(BaseSettings):
         return f"{local.rstrip('/')}/work" if self.executor.run_as else local
 
     @property
+    def gateway_path(self) -> Path:
+        return Path(self.control.gateway_dir or self.state_path / "gateway")
+
+    @property
     def admin_token_path(self) -> Path:
         return Path(self.auth.admin_token_file or self.state_path / "admin.token")
 
@@ -727,6 +795,11 @@ def _resolve_paths(doc: dict[str, Any], base: Path) -> dict[str, Any]:
         rel = store.removeprefix("sqlite:///")
         if rel and rel != ":memory:":
             out["store_url"] = f"sqlite:///{(base / rel).resolve()}"
+    control = out.get("control")
+    if isinstance(control, dict) and isinstance(control.get("gateway_dir"), str):
+        gateway_dir = Path(control["gateway_dir"])
+        if not gateway_dir.is_absolute():
+            out["control"] = {**control, "gateway_dir": str((base / gateway_dir).resolve())}
     auth = out.get("auth")
     if isinstance(auth, dict) and isinstance(auth.get("admin_token_file"), str):
         path = Path(auth["admin_token_file"])

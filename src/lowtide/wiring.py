@@ -1,9 +1,10 @@
 """The composition root: settings in, a running embedded lowtide out (store, executor, loop, API).
 
 `build()` assembles the parts without starting anything (tests use it directly); `serve()` runs
-recovery, the loop thread and the HTTP server until interrupted. Step processes keep running
-when the control plane stops: the next start re-adopts them. Must not: hold policy or business
-rules; it only connects parts.
+the HTTP server until interrupted and, while it holds the store's lease (`control.leadership`;
+several `lowtide up` on one store: one leader, hot standbys), recovery and the loop thread.
+Step processes keep running when the control plane stops: the next start (or the standby that
+takes over) re-adopts them. Must not: hold policy or business rules; it only connects parts.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -33,7 +35,8 @@ from lowtide.adapters.container import (
     resolve_runtime,
 )
 from lowtide.adapters.exit_watch import ExitWatcher
-from lowtide.adapters.gateway import GatewayRouter, GatewayServer
+from lowtide.adapters.gateway import GatewayError
+from lowtide.adapters.gateway_supervisor import GatewayListen, GatewaySupervisor
 from lowtide.adapters.gpu_discovery import GpuDiscoveryError, discover_gpus
 from lowtide.adapters.local_executor import LocalExecutor
 from lowtide.adapters.local_services import LocalServiceManager
@@ -42,6 +45,7 @@ from lowtide.adapters.net import bind_tcp
 from lowtide.adapters.secrets import ConfiguredSecrets, SecretSource
 from lowtide.adapters.step_identity import current_user, resolve_job_users
 from lowtide.adapters.storage import FsspecArtifacts
+from lowtide.adapters.supervision import pin_boot_time
 from lowtide.adapters.templates import DirectoryTemplates
 from lowtide.api.app import ApiContext, create_app
 from lowtide.api.metrics import LoopStatus
@@ -54,12 +58,15 @@ from lowtide.config import (
     scheduler_policy,
     service_spec,
 )
-from lowtide.control.clock import Clock, SystemClock
+from lowtide.control.clock import Clock, ClockWatch, SystemClock
 from lowtide.control.executor_port import JobUsers
 from lowtide.control.inference import InferenceController, ServiceSetup
 from lowtide.control.inference_ports import MetricsSource
+from lowtide.control.leadership import Leadership, Term
+from lowtide.control.lease import LeaseCandidate, LeaseTiming, holder_name, seat_of
 from lowtide.control.loop import ControlLoop, LoopSettings
 from lowtide.control.secrets_port import SecretRule
+from lowtide.control.store_health import StoreHealth
 from lowtide.domain.gpus import Node
 from lowtide.domain.layout import ArtifactLayout
 from lowtide.policy.accounting import AccountingPolicy
@@ -67,6 +74,9 @@ from lowtide.policy.outcomes import RetryPolicy
 from lowtide.store.repo import Store
 
 log = logging.getLogger("lowtide")
+
+#: In the state dir: the boot time process start times count from, per boot (`adapters.supervision`).
+BOOT_TIME_FILE = "boot-time.json"
 
 
 def resolve_nodes(settings: Settings) -> tuple[Node, ...]:
@@ -241,12 +251,16 @@ class Embedded:
     app: FastAPI
     clock: Clock
     inference: InferenceController | None = None
-    gateway: GatewayRouter | None = None
+    gateway: GatewaySupervisor | None = None  # the gateway process (docs/architecture.md §4.4)
     watcher: ExitWatcher = field(default_factory=lambda: ExitWatcher(lambda: None))
+    clock_watch: ClockWatch | None = None  # wall-clock jumps (docs/architecture.md §4.3)
+    leadership: Leadership | None = None  # the lease, when serving (docs/architecture.md §4.4)
 
     def close(self) -> None:
         """Stop watching processes and close the store. Steps and replicas keep running (the next
-        start re-adopts them)."""
+        start re-adopts them), and so does the gateway process."""
+        if self.gateway is not None:
+            self.gateway.close()
         if self.inference is not None:
             self.inference.manager.close()
         self.executor.close()
@@ -261,6 +275,11 @@ class Embedded:
             ticks=self.loop.ticks,
             tick_errors=self.loop.errors_total,
             queued_waiting=last.waiting if last else 0,
+            clock_jumps=self.clock_watch.jumps if self.clock_watch else 0,
+            clock_skew_s=self.clock_watch.skew if self.clock_watch else 0.0,
+            infrastructure_alerts={k: a.message for k, a in self.loop.infrastructure_alerts.items()},
+            infrastructure_failures=dict(self.loop.infrastructure_failures_total),
+            control=self.leadership.status() if self.leadership is not None else None,
         )
 
 
@@ -276,14 +295,20 @@ def build(settings: Settings, *, clock: Clock | None = None) -> Embedded:
         raise ConfigError(f"artifact_root {settings.artifacts}: cannot be used: {exc}") from exc
     if state.stat().st_uid == os.geteuid():
         state.chmod(0o700)  # database, tokens: never readable by steps (docs/architecture.md §6.4)
+    pin_boot_time(state / BOOT_TIME_FILE)  # process identities that survive a clock step (§4.3)
     users = job_users(settings)
     runtime = _runtime(settings)
-    store = Store.open(settings.database_url)
+    store = Store.open(settings.database_url, busy_timeout_s=settings.store_busy_timeout)
+    store.health = StoreHealth(clock)  # outages timed on control time (docs/architecture.md §4.4)
     # A process ending or a replica answering wakes the loop at once (bound once the loop exists).
     wake = _LateCall()
     watcher = ExitWatcher(wake)
     executor = LocalExecutor(
-        store.instance_id(), runtime=runtime, watcher=watcher, env_allowlist=settings.executor.env_allowlist
+        store.instance_id(),
+        runtime=runtime,
+        watcher=watcher,
+        env_allowlist=settings.executor.env_allowlist,
+        clock=clock,
     )
     layout = ArtifactLayout(artifact_root=settings.artifacts, work_root=settings.work_root)
     scheduler = scheduler_policy(settings, cpus_per_node=os.cpu_count() or 1)
@@ -302,6 +327,7 @@ def build(settings: Settings, *, clock: Clock | None = None) -> Embedded:
             scheduler=scheduler,
             retry=RetryPolicy(settings.executor.retry_backoff, settings.executor.retry_backoff_max),
             checkpoint_poll_s=settings.executor.checkpoint_poll,
+            resume_crash_window_s=settings.executor.resume_crash_window,
             api_url=settings.api.url,
             storage_options=settings.artifact_options,
             default_step_timeout_s=settings.scheduler.default_step_timeout,
@@ -326,10 +352,13 @@ def build(settings: Settings, *, clock: Clock | None = None) -> Embedded:
         ),
         secret_rules={n: SecretRule(c.env, tuple(c.teams)) for n, c in settings.secrets.items()},
         max_steps_per_job=settings.scheduler.max_steps_per_job,
+        store_unhealthy_after_s=settings.api.store_unhealthy_after,
+        extra={"session_key_file": str(state / "session.key")},  # the dashboard's cookies (api.session)
     )
     app = create_app(ctx)
     wake.target = loop.wake
     embedded = Embedded(settings, nodes, store, executor, loop, app, clock, inference, router, watcher)
+    embedded.clock_watch = ClockWatch(clock)
     ctx.loop_status = embedded.loop_status
     return embedded
 
@@ -407,13 +436,30 @@ def build_inference(
     *,
     watcher: ExitWatcher | None = None,
     on_progress: Callable[[], None] | None = None,
-) -> tuple[InferenceController | None, GatewayRouter | None]:
+) -> tuple[InferenceController | None, GatewaySupervisor | None]:
     """The inference side, when there is anything for it to do (services, or lending rules)."""
     if not settings.services and settings.lending.mode == "continuous":
         return None, None
     # A request held for a service without a live replica wakes the loop: it is demand (issue 9).
-    has_gateway = any(s.gateway_port is not None for s in settings.services)
-    router = GatewayRouter(on_held=on_progress) if has_gateway else None
+    listens = [
+        GatewayListen(
+            cfg.name,
+            settings.api.host,
+            cfg.gateway_port,
+            read_timeout_s=cfg.gateway_read_timeout,
+            hold_max=cfg.gateway_queue,
+            hold_timeout_s=gateway_queue_timeout(cfg),
+        )
+        for cfg in settings.services
+        if cfg.gateway_port is not None
+    ]
+    # The gateway is a process of its own that outlives lowtide (`adapters.gateway_supervisor`);
+    # it is started (or adopted) by `start_gateways`.
+    router = (
+        GatewaySupervisor(settings.gateway_path, instance_id, listens, on_held=on_progress)
+        if listens
+        else None
+    )
     setups = tuple(
         ServiceSetup(
             spec=service_spec(cfg),
@@ -442,25 +488,18 @@ def build_inference(
     return controller, router
 
 
-def start_gateways(settings: Settings, router: GatewayRouter | None) -> GatewayServer | None:
-    if router is None:
+def start_gateways(settings: Settings, gateway: GatewaySupervisor | None) -> GatewaySupervisor | None:
+    """Adopt the running gateway process, or start it, and wait until it listens on every
+    service's `gateway_port` (raises ServeError naming the service otherwise)."""
+    if gateway is None:
         return None
-    server = GatewayServer(router)
-    for cfg in settings.services:
-        if cfg.gateway_port is not None:
-            try:
-                server.start(
-                    cfg.name,
-                    settings.api.host,
-                    cfg.gateway_port,
-                    read_timeout_s=cfg.gateway_read_timeout,
-                    hold_max=cfg.gateway_queue,
-                    hold_timeout_s=gateway_queue_timeout(cfg),
-                )
-            except Exception as exc:
-                server.stop()
-                raise ServeError(f"services.{cfg.name}.gateway_port: {exc}") from exc
-    return server
+    try:
+        gateway.start()
+    except GatewayError as exc:
+        named = [c.name for c in settings.services if c.gateway_port is not None and repr(c.name) in str(exc)]
+        where = f"services.{named[0]}.gateway_port" if named else "services[].gateway_port"
+        raise ServeError(f"{where}: {exc}") from exc
+    return gateway
 
 
 def gateway_queue_timeout(cfg: ServiceConfig) -> float:
@@ -475,6 +514,15 @@ class _GracefulServer(uvicorn.Server):
     """uvicorn re-raises a SIGTERM/SIGINT it caught once it has shut down, which ends the process
     before lowtide's own shutdown (loop, executor, gateways, replicas) has run. Here a signal only
     asks the server to stop; `serve` then returns and finishes the shutdown itself."""
+
+    #: Called once uvicorn has really started serving (nothing refused): `lowtide up`'s
+    #: "listening on …" (issue 12: it was printed before a start that then failed).
+    on_started: Callable[[], None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and not self.should_exit and self.on_started is not None:
+            self.on_started()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.should_exit and sig == signal.SIGINT:
@@ -501,6 +549,28 @@ def stop_replicas(inference: InferenceController, clock: Clock, timeout_s: float
         time.sleep(0.1)
     if pending:
         log.warning("replicas still stopping after %.0fs: %s", timeout_s, sorted(pending))
+
+
+def keep_time_forward(lt: Embedded) -> None:
+    """A restart after the wall clock went back: control time starts no earlier than the last
+    time the store recorded (docs/architecture.md §4.3). Only for the process's `SystemClock`
+    (tests that `build` with a store of made-up times keep their clocks)."""
+    if isinstance(lt.clock, SystemClock):
+        floor = lt.store.last_recorded_at()
+        if floor is not None:
+            lt.clock.not_before(floor)
+
+
+def watch_clock(watch: ClockWatch | None, stop: threading.Event, every_s: float) -> None:
+    """Check for wall-clock jumps every `every_s` until `stop` is set (a jump is logged once and
+    counted; deadlines run on control time anyway, docs/architecture.md §4.3)."""
+    if watch is None:
+        return
+    while not stop.wait(every_s):
+        try:
+            watch.check()
+        except Exception:  # never let a clock reading end the thread
+            log.exception("clock watch failed")
 
 
 class ServeError(RuntimeError):
@@ -536,12 +606,121 @@ def _listen(host: str, port: int) -> socket.socket:
         ) from exc
 
 
-def serve(settings: Settings, *, announce: bool = True, stop_replicas_on_exit: bool = False) -> None:
-    """Run the embedded control plane until SIGINT/SIGTERM.
+#: The file in the state dir that holds its random id: with the host name, the *seat* of the
+#: lease (`control.lease`): a lease held by an earlier process of the same seat is taken at once.
+STATE_ID_FILE = "control.id"
 
-    Steps and inference replicas keep running when it stops (the next start re-adopts them), so
-    restarting the control plane interrupts neither research nor serving; `stop_replicas_on_exit`
-    stops the replicas instead (a laptop, a demo)."""
+
+def _state_id(state: Path) -> str:
+    """The state dir's random id, made on first use (the caller holds the state dir's lock)."""
+    path = state / STATE_ID_FILE
+    try:
+        value = path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        value = ""
+    if not value:
+        value = secrets.token_hex(6)
+        path.write_text(value + "\n", encoding="utf-8")
+    return value
+
+
+def leadership_for(settings: Settings, store: Store, clock: Clock) -> Leadership:
+    """This process's candidacy for the store's lease (config `control:`, docs/architecture.md §4.4)."""
+    host = socket.gethostname() or "localhost"
+    seat = seat_of(host, _state_id(Path(settings.state_dir)))
+    pid = os.getpid()
+    candidate = LeaseCandidate(holder_name(seat, pid, secrets.token_hex(3)), seat, host, pid)
+    return Leadership(
+        store,
+        candidate,
+        LeaseTiming(settings.control.lease_ttl, settings.control.lease_renew),
+        wall=clock.wall,
+        monotonic=time.monotonic,
+        foreign_grace_s=settings.control.foreign_takeover_grace,
+    )
+
+
+class _Roles:
+    """What becoming the leader and stepping down do in `serve` (docs/architecture.md §4.4):
+    elected: start (or adopt) the gateway, recover (re-adopt steps and replicas), start the loop;
+    deposed: stop the loop and stop watching the processes, which keep running for the next
+    leader to adopt (nothing is killed)."""
+
+    def __init__(self, settings: Settings, lt: Embedded, *, announce: bool) -> None:
+        self.settings = settings
+        self.lt = lt
+        self.announce = announce
+        self.gateways: GatewaySupervisor | None = None
+        self.shutting_down = False
+        #: At start-up a gateway that cannot listen fails `lowtide up`; after a takeover it is
+        #: logged and tried again at the next term, and steps are scheduled meanwhile.
+        self.strict = True
+        self.acted = False  # led at some point (a standby's shutdown has nothing to report)
+        self._stop_loop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
+
+    def elected(self, term: Term) -> None:
+        lt = self.lt
+        self.acted = True
+        keep_time_forward(lt)  # before anything is timed or recorded in this term
+        if self.gateways is None:
+            try:
+                self.gateways = start_gateways(self.settings, lt.gateway)
+            except ServeError as exc:
+                if self.strict:
+                    raise
+                log.error("as the new leader: %s; serving stays with the gateway that runs, if any", exc)
+        report = lt.loop.recover()
+        if self.announce:
+            log.info(
+                "recovered: %d adopted, %d finished while down, %d lost (requeued), %d orphans killed",
+                len(report.adopted),
+                len(report.exited),
+                len(report.lost),
+                len(report.orphans_killed),
+            )
+        self._stop_loop = threading.Event()
+        self._thread = threading.Thread(
+            target=lt.loop.run,
+            args=(self._stop_loop, self.settings.tick_seconds),
+            name="lowtide-loop",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def deposed(self, term: Term, reason: str) -> None:
+        if self._stop_loop is not None:
+            self._stop_loop.set()
+            self.lt.loop.wake()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self._stop_loop, self._thread = None, None
+        if self.shutting_down:
+            return  # `Embedded.close` lets go of the processes
+        self.lt.executor.close()  # stop watching; the next leader adopts them
+        manager = self.lt.inference.manager if self.lt.inference is not None else None
+        if isinstance(manager, LocalServiceManager):
+            manager.forget()
+        if self.gateways is not None:  # it keeps serving on its last table; a leader adopts it
+            self.gateways.close()
+            self.gateways = None
+        log.warning("stopped acting (%s); steps and replicas keep running for the next leader", reason)
+
+
+def serve(
+    settings: Settings,
+    *,
+    announce: bool = True,
+    stop_replicas_on_exit: bool = False,
+    on_listening: Callable[[Settings], None] | None = None,
+) -> None:
+    """Run the embedded control plane until SIGINT/SIGTERM; `on_listening(settings)` (with the
+    real port) once the API really listens, after everything that could refuse the start.
+
+    Steps, inference replicas and the gateway process keep running when it stops (the next start
+    re-adopts them), so restarting the control plane interrupts neither research nor serving;
+    `stop_replicas_on_exit` stops the gateway (after its drain) and the replicas instead (a
+    laptop, a demo)."""
     exposed = auth_exposure_problem(settings)  # again: `lowtide up --host` bypasses validation
     if exposed:
         raise ConfigError(exposed)
@@ -566,40 +745,66 @@ def serve(settings: Settings, *, announce: bool = True, stop_replicas_on_exit: b
         created = ensure_admin_token(lt.store, settings.admin_token_path, lt.clock.now())
         if created and announce:
             log.warning("created an admin token in %s (mode 0600)", settings.admin_token_path)
-    try:
-        gateways = start_gateways(settings, lt.gateway)
-    except ServeError:
-        sock.close()
-        lock.close()
-        raise
-    report = lt.loop.recover()
-    if announce:
-        log.info(
-            "recovered: %d adopted, %d finished while down, %d lost (requeued), %d orphans killed",
-            len(report.adopted),
-            len(report.exited),
-            len(report.lost),
-            len(report.orphans_killed),
-        )
+    # One active control plane (docs/architecture.md §4.4): act only while holding the lease.
+    leadership = leadership_for(settings, lt.store, lt.clock)
+    lt.leadership = lt.loop.lease = leadership
+    if lt.inference is not None:
+        lt.inference.lease = leadership
+    roles = _Roles(settings, lt, announce=announce)
+    first = leadership.claim_once()
+    if first is not None:
+        try:
+            roles.elected(first)  # a taken gateway port fails the start, as before
+        except Exception:
+            leadership.release()
+            sock.close()
+            lock.close()
+            raise
+    # else: a standby (logged by the leadership): it serves the API and takes over on expiry.
+    roles.strict = False
     stop = threading.Event()
-    thread = threading.Thread(
-        target=lt.loop.run, args=(stop, settings.tick_seconds), name="lowtide-loop", daemon=True
+    lease_threads = [
+        threading.Thread(target=leadership.run, args=(stop,), name="lowtide-lease", daemon=True),
+        threading.Thread(
+            target=leadership.supervise,
+            args=(stop, roles.elected, roles.deposed),
+            kwargs={"acting": first},
+            name="lowtide-roles",
+            daemon=True,
+        ),
+    ]
+    for t in lease_threads:
+        t.start()
+    clock_thread = threading.Thread(
+        target=watch_clock,
+        args=(lt.clock_watch, stop, settings.tick_seconds),
+        name="lowtide-clock-watch",
+        daemon=True,
     )
-    thread.start()
+    clock_thread.start()
     server = _GracefulServer(uvicorn.Config(lt.app, log_level="warning"))
+    if on_listening is not None:
+        listening = settings
+        server.on_started = lambda: on_listening(listening)
     try:
         server.run(sockets=[sock])
     finally:
+        roles.shutting_down = True
         stop.set()
-        lt.loop.wake()
-        thread.join(timeout=30)
+        leadership.interrupt()
+        for t in lease_threads:
+            t.join(timeout=40)  # the roles thread stops the loop first
+        gateways = roles.gateways
         running = len(lt.store.active_attempts())
-        if running and announce:
+        if running and announce and roles.acted:
             log.warning("%d step(s) keep running; the next `lowtide up` re-adopts them", running)
-        if gateways is not None:
-            gateways.stop()
+        if gateways is not None and stop_replicas_on_exit:
+            gateways.stop()  # drains its requests in flight first, then the replicas stop
+        elif gateways is not None and announce:
+            log.info("the gateway (pid %s) keeps serving; the next `lowtide up` adopts it", gateways.pid())
         if lt.inference is not None and stop_replicas_on_exit:
             stop_replicas(lt.inference, lt.clock)
+        leadership.release()  # after the loop stopped: a standby takes over at once
         lt.close()
         sock.close()
         lock.close()

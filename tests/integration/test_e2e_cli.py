@@ -248,8 +248,11 @@ def test_kill_9_of_the_control_plane_loses_no_job_and_leaves_no_orphan(
 def test_a_second_control_plane_on_the_same_state_or_port_refuses_to_start(
     server: Server, tmp_path: Path
 ) -> None:
+    # The one that started said where it listens; the refused ones say only why (issue 12).
+    assert f"lowtide listening on {server.url}" in (server.root / "server.log").read_text()
     same_state = server.cli("up")
     assert same_state.returncode == 1 and "another lowtide" in same_state.stderr
+    assert "listening on" not in same_state.stderr
     other = tmp_path / "other.yaml"
     other.write_text(
         yaml.safe_dump(
@@ -268,6 +271,7 @@ def test_a_second_control_plane_on_the_same_state_or_port_refuses_to_start(
         check=False,
     )
     assert taken.returncode == 1 and f"cannot listen on 127.0.0.1:{server.port}" in taken.stderr
+    assert "lowtide listening" not in taken.stderr
     assert httpx.get(f"{server.url}/healthz", timeout=2).status_code == 200  # the first one is untouched
 
 

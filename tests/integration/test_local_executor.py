@@ -64,8 +64,9 @@ class Loop:
 
     def poll(self) -> None:
         for e in self.executor.poll(time.time()):
-            assert e.attempt_id not in self.exits, "an exit was reported twice"
+            assert e.attempt_id not in self.exits, "an exit was reported twice after its ack"
             self.exits[e.attempt_id] = e
+            self.executor.ack_exit(e.attempt_id)  # as the loop does once the store has it
 
     def wait_exit(self, attempt_id: int, timeout: float = 10.0) -> AttemptExit:
         def done() -> AttemptExit | None:
@@ -727,3 +728,32 @@ def test_a_container_runtime_needs_an_image(env: Env) -> None:
         env.executor(runtime=runtime).launch(env.request(1, ("true",)), time.time())
     assert err.value.temporary is False
     assert "has no image" in str(err.value)
+
+
+# -- exits are durable until acknowledged (docs/architecture.md §4.4) -------------------------------
+
+
+def test_an_exit_is_reported_at_every_poll_until_acknowledged(env: Env) -> None:
+    ex = env.executor()
+    req = env.request(1, ("true",))
+    env.launch(ex, req)
+    first = wait_until(lambda: ex.poll(time.time()), what="the exit")
+    assert [(e.attempt_id, e.exit_code, e.wall_clock) for e in first] == [(1, 0, True)]
+    assert ex.watched() == set() and ex.pending_exits() == {1}
+    assert ex.poll(time.time()) == first  # the store did not have it yet: reported again
+    ex.notify_stop(1, time.time() + 5, time.time())  # it has ended: nothing to stop, no error
+    adopted = ex.adopt(adopt_request(req, None), time.time())
+    assert adopted.outcome is AdoptOutcome.EXITED and adopted.exit == first[0]
+    ex.ack_exit(1)
+    assert ex.poll(time.time()) == [] and ex.pending_exits() == set()
+
+
+def test_a_work_dir_that_cannot_be_made_is_an_infrastructure_failure(env: Env) -> None:
+    blocker = env.root / "attempt-2"
+    blocker.parent.mkdir(parents=True, exist_ok=True)
+    blocker.write_text("a file where the work dir goes")
+    ex = env.executor()
+    with pytest.raises(ExecutorError) as caught:
+        env.launch(ex, env.request(2, ("true",)))
+    assert caught.value.infrastructure == "storage", caught.value
+    assert ex.watched() == set()

@@ -176,8 +176,11 @@ def test_cancel_gives_notice_and_the_step_checkpoints_and_exits(lt: Embedded, tm
     )
     tick_until(lt, lambda: step_said(lt, job, "a", "ready"), what="the step to run")
     r = TestClient(lt.app).post(f"/v1/jobs/{job}/cancel")
-    assert r.status_code == 200 and r.json()["state"] == "CANCELLED"
-    tick_until(lt, lambda: steps(lt, job)["a"] == "CANCELLED", what="the step to stop")
+    # Its step still holds GPUs: the job shows CANCELLING, not CANCELLED (issue 12).
+    assert r.status_code == 200 and r.json()["state"] == "CANCELLING"
+    assert job_state(lt, job) == "CANCELLING" and steps(lt, job)["a"] == "CANCELLING"
+    tick_until(lt, lambda: job_state(lt, job) == "CANCELLED", what="the job to be cancelled")
+    assert steps(lt, job)["a"] == "CANCELLED"
     att = detail(lt, job)["attempts"][0]
     assert marker.exists(), "the step never saw the notice"
     assert float(marker.read_text()) == pytest.approx(att["stop_deadline"])

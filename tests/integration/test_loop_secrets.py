@@ -96,14 +96,32 @@ def test_a_step_gets_its_secrets_values_that_no_record_api_or_log_line_holds(
         assert FILE_VALUE not in text and ENV_VALUE not in text
 
 
-def test_a_secret_that_cannot_be_read_fails_the_launch_with_its_name_and_reason(lt: Embedded) -> None:
+def test_a_secret_that_cannot_be_read_is_an_infrastructure_failure_until_it_can(
+    lt: Embedded, tmp_path: Path
+) -> None:
+    """An unreadable secret file is the operator's problem, not the step's (docs/architecture.md
+    §4.4): no retry is used, the step waits with a growing backoff, an alert is raised, and the
+    job runs once the file is there."""
     job_id = submit(
         lt,
         {"name": "broken", "max_retries": 1, "steps": [{"name": "s", "command": DUMP, "secrets": ["gone"]}]},
     )
-    assert tick_until(lt, lambda: finished(lt, job_id), what="the job to finish") == "FAILED"
-    attempts = lt.store.job_detail(job_id).attempts  # a permanent failure, like a non-zero exit
-    assert len(attempts) == 2 and all(a.pid is None for a in attempts)  # never started
-    for attempt in attempts:
+    tick_until(lt, lambda: len(lt.store.job_detail(job_id).attempts) >= 3, what="three launch tries")
+    detail = lt.store.job_detail(job_id)
+    assert detail.job.state.value != "FAILED"
+    assert detail.steps[0].retries_used == 0  # not the step's failure
+    for attempt in detail.attempts:
+        assert attempt.pid is None  # never started
         assert "secret 'gone': cannot read its file" in attempt.message, attempt.message
-        assert "No such file" in attempt.message
+        assert "No such file" in attempt.message and "not the step's failure" in attempt.message
+    assert any(e.kind == "infrastructure_failure" for e in detail.events)
+    assert set(lt.loop.infrastructure_alerts) == {"secrets"}
+    health = TestClient(lt.app).get("/healthz")
+    assert health.status_code == 200  # an alert, not an outage
+    assert [a["kind"] for a in health.json()["alerts"]] == ["secrets"]
+    assert 'lowtide_infrastructure_alert{kind="secrets"} 1.0' in TestClient(lt.app).get("/metrics").text
+
+    (tmp_path / "missing.secret").write_text("found\n")
+    assert tick_until(lt, lambda: finished(lt, job_id), what="the job to finish") == "SUCCEEDED"
+    assert lt.loop.infrastructure_alerts == {}  # cleared by the launch that worked
+    assert TestClient(lt.app).get("/healthz").json()["alerts"] == []

@@ -8,6 +8,7 @@ The loop is driven by hand (`tick_until`); every wait is bounded.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import socket
@@ -192,7 +193,11 @@ def test_a_three_step_job_keeps_its_outputs_and_checkpoints_in_the_bucket(
     assert steps["prep"]["checkpoint_dir"] is None
 
     # Every artifact is in the bucket, and nothing else is (no logs, no work directories).
-    checkpoints = [f"{root}/train/checkpoints/step-{n:06d}.json" for n in (20, 40, 60)]
+    checkpoints = [
+        f"{root}/train/checkpoints/step-{n:06d}.json{suffix}"
+        for n in (20, 40, 60)
+        for suffix in ("", ".manifest.json")  # the trainer writes a manifest beside each
+    ]
     assert bucket.keys() == sorted(
         [
             f"{root}/prep/outputs/manifest.json",
@@ -349,3 +354,16 @@ def test_a_missing_bucket_fails_the_check_and_the_start_with_its_name(bucket: Bu
     with pytest.raises(ConfigError, match=rf"artifact_root s3://{missing}/lowtide: .*bucket does not exist"):
         build(settings)
     assert missing not in {b["Name"] for b in bucket.client.list_buckets()["Buckets"]}
+
+
+def test_fsspec_artifacts_on_s3_stat_and_hash_a_checkpoint_before_a_resume(bucket: Bucket) -> None:
+    root = f"s3://{bucket.name}/lowtide"
+    artifacts = FsspecArtifacts(root, bucket.options)
+    assert artifacts.stat(f"{root}/ck/c1") is None
+    artifacts.write_text(f"{root}/ck/c1/model.pt", "weights")
+    file_stat = artifacts.stat(f"{root}/ck/c1/model.pt")
+    assert file_stat is not None and (file_stat.kind, file_stat.size) == ("file", 7)
+    dir_stat = artifacts.stat(f"{root}/ck/c1")
+    assert dir_stat is not None and dir_stat.kind == "dir"
+    assert artifacts.sha256(f"{root}/ck/c1/model.pt", max_bytes=100) == hashlib.sha256(b"weights").hexdigest()
+    assert artifacts.sha256(f"{root}/ck/c1/model.pt", max_bytes=3) is None

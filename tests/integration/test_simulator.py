@@ -83,8 +83,10 @@ def tiny(days: float, jobs: tuple[ResearchJob, ...], rate: float = 2.0) -> Scena
 def test_a_hand_computed_scenario_gives_every_figure_of_the_summary() -> None:
     """8 GPUs, a constant load one 4-GPU replica serves, one 4-GPU job of 1 h of work, 6 hours.
 
-    The replica is booked at t=0 and serves from t=120 s; the job starts at t=0 on the other four
-    GPUs, loads for 120 s, works 3,600 s and ends at 3,720 s; nothing else happens."""
+    The replica is booked at t=0 and serves from t=120 s; nothing is lent before the service's
+    first fresh metrics (issue 12: a service never healthy since start is not fresh), so the job
+    starts at t=120 s on the other four GPUs, loads for 120 s, works 3,600 s and ends at 3,840 s;
+    nothing else happens."""
     job = ResearchJob(name="sft", team="nlp", submit_s=0.0, gpus=4, work_s=3600.0, priority="normal")
     s = tiny(0.25, (job,))
     assert needed_replicas(s.services[0], 2.0) == 1
@@ -105,7 +107,7 @@ def test_a_hand_computed_scenario_gives_every_figure_of_the_summary() -> None:
     assert out["slo_violation_minutes"] == pytest.approx(STARTUP / 60)
     assert out["baseline_none"]["slo_violation_minutes"] == pytest.approx(STARTUP / 60)
     assert out["baseline_none"]["gpu_hours_inference"] == pytest.approx(8 * 6.0)
-    assert (out["job_wait_p50_s"], out["job_completion_p50_s"]) == (0.0, 3720.0)
+    assert (out["job_wait_p50_s"], out["job_completion_p50_s"]) == (STARTUP, STARTUP + 3720.0)
     assert out["jobs_succeeded"] == 1 and out["jobs_unfinished"] == 0
     assert out["equivalent_gpus"] == pytest.approx(harvested_h / 6.0)
     assert out["savings"] == pytest.approx(harvested_h * 2.0) and out["currency"] == "KRW"
@@ -134,8 +136,9 @@ def test_a_surge_preempts_the_job_which_resumes_from_its_checkpoint_and_loses_on
     assert [a.state.value for a in attempts] == ["INTERRUPTED", "SUCCEEDED"]
     noticed = attempts[0]
     assert noticed.notice_at is not None and noticed.ended_at == pytest.approx(noticed.notice_at + 20.0)
-    # It resumed from the progress it had at notice: 2 h minus the 120 s of loading, in seconds.
-    assert attempts[1].record["resume_from"] == f"p{int(noticed.notice_at - s.start - 120)}"
+    # It resumed from the progress it had at notice: its time running (it started once the
+    # service's metrics were fresh, issue 12) minus the 120 s of loading, in seconds.
+    assert attempts[1].record["resume_from"] == f"p{int(noticed.notice_at - noticed.started_at - 120)}"
     assert attempts[1].ended_at == pytest.approx(
         attempts[1].started_at + 120 + 3 * H - (noticed.notice_at - s.start - 120)
     )

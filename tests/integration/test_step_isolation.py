@@ -201,6 +201,7 @@ def test_a_step_cannot_write_another_jobs_checkpoint_and_that_job_resumes_from_i
             out = pathlib.Path(os.environ["LOWTIDE_OUTPUTS"])
             if os.environ["LOWTIDE_ATTEMPT"] == "1":
                 ckpt = pathlib.Path(os.environ["LOWTIDE_CHECKPOINT_DIR"])
+                (ckpt / "bob-step-100").write_text("weights")  # the checkpoint, then LATEST names it
                 (ckpt / "LATEST").write_text("bob-step-100\\n")
                 (out / "checkpointed").write_text("yes")
                 while not pathlib.Path({str(gate / "go")!r}).exists():

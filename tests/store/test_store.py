@@ -173,7 +173,12 @@ def test_cancel_stops_running_steps_with_notice_and_cancels_the_rest(store: Stor
         job_id=job_id, step="prep", node="n1", gpus=(), layout=LAYOUT, now=clock.now(), reason=""
     )
     record = store.request_cancel(job_id, by="alice", now=clock.now())
-    assert record.state == JobState.CANCELLED
+    # A step still holds GPUs: the job is CANCELLING until it has exited (issue 12).
+    assert (record.state, record.finished_at, record.cancel_requested_at) == (
+        JobState.CANCELLING,
+        None,
+        clock.now(),
+    )
     states = {s.name: s.state for s in store.job_detail(job_id).steps}
     assert states == {"prep": StepState.CANCELLING, "train": StepState.CANCELLED}
     due = store.notices_due()
@@ -182,7 +187,36 @@ def test_cancel_stops_running_steps_with_notice_and_cancels_the_rest(store: Stor
     assert store.notices_due() == []
     assert store.attempt(launch.attempt_id).state == AttemptState.STOPPING
     # Cancelling again changes nothing.
-    assert store.request_cancel(job_id, by="alice", now=clock.now()).state == JobState.CANCELLED
+    assert store.request_cancel(job_id, by="alice", now=clock.now()).state == JobState.CANCELLING
+    # The step exits: the job is CANCELLED once the DAG moves.
+    ctx = store.exit_context(launch.attempt_id)
+    decision = classify_exit(
+        step_state=ctx.step_state,
+        noticed=True,
+        exit_code=143,
+        signal=None,
+        killed_at_deadline=False,
+        retries_used=0,
+        max_retries=0,
+        now=clock.advance(5),
+        retry=RetryPolicy(),
+    )
+    store.finish_attempt(
+        ctx,
+        decision,
+        ended_at=clock.now(),
+        exit_code=143,
+        signal=None,
+        killed_at_deadline=False,
+        half_life_s=HALF_LIFE,
+    )
+    (view,) = store.job_views([job_id])
+    store.apply_dag(advance(view), clock.now())
+    done = store.job(job_id)
+    assert (done.state, done.finished_at) == (JobState.CANCELLED, clock.now())
+    # A job with nothing running is CANCELLED at once.
+    other = submit(store, clock, "job-000000000002")
+    assert store.request_cancel(other, by="alice", now=clock.now()).state == JobState.CANCELLED
 
 
 def test_an_exit_releases_gpus_folds_usage_and_the_ledger_adds_up(store: Store, clock: FakeClock) -> None:

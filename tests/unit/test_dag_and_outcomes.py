@@ -61,6 +61,18 @@ def test_a_cancelled_job_cancels_steps_that_have_not_started() -> None:
     assert sorted((c.step, c.to_state) for c in changes.steps) == [("b", S.CANCELLED), ("c", S.CANCELLED)]
 
 
+def test_a_cancelling_job_is_cancelled_once_no_step_holds_gpus() -> None:
+    """Issue 12: a cancelled job showed CANCELLED while its step still held GPUs for the grace."""
+    stopping = advance(job(JobState.CANCELLING, a=(S.CANCELLING, ()), b=(S.PENDING, ("a",))))
+    assert [(c.step, c.to_state) for c in stopping.steps] == [("b", S.CANCELLED)]
+    assert stopping.job is None
+    done = advance(job(JobState.CANCELLING, a=(S.CANCELLED, ()), b=(S.PENDING, ("a",))))
+    assert done.job is not None and (done.job.from_state, done.job.to_state) == (
+        JobState.CANCELLING,
+        JobState.CANCELLED,
+    )
+
+
 RETRY = RetryPolicy(backoff_s=10, backoff_max_s=60)
 
 

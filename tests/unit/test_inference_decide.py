@@ -258,7 +258,8 @@ def test_three_failed_starts_in_a_row_raise_one_alert_and_stop_new_lending() -> 
         (outcome,) = plan.scale.services
         if attempt < FAILURES_BEFORE_ALERT:
             assert plan.scale.alerts == () and outcome.alert == ""
-            assert plan.envelope.fail_safe is None
+            # Never healthy, so never fresh (issue 12): nothing new is lent before the alert either.
+            assert plan.envelope.fail_safe is not None and "never fresh" in plan.envelope.fail_safe
             assert outcome.blocked == f"1 failed replica(s) retry in {restart_delay(attempt):.0f}s"
             assert plan.next_due == r.retry_at
             # At its retry time the replica is started again.
@@ -520,3 +521,36 @@ def test_a_count_that_came_back_down_is_not_growing() -> None:
     assert slope is not None and 0.2 < slope < 0.3
     assert growth_per_s([(0.0, 1), (10.0, 3)]) == 0.2  # two readings: the plain slope
     assert growth_per_s([(5.0, 1)]) is None
+
+
+def test_failed_starts_are_counted_per_service_not_per_slot() -> None:
+    """Issue 12: two slots failing in turn alerted only after 5 failed starts (3 on one slot)."""
+    two = (replica(0, R.FAILED, failures=2, since=NOW - 5), replica(1, R.FAILED, failures=1, since=NOW - 3))
+    assert failures_in_a_row(two) == FAILURES_BEFORE_ALERT
+    restarting = (
+        replica(0, R.STARTING, failures=1, since=NOW - 5),
+        replica(1, R.FAILED, failures=1, since=NOW - 3),
+    )
+    assert failures_in_a_row(restarting) == 2
+    rules = replace(RULES, spec=replace(SPEC, min_replicas=2, max_replicas=2))
+    plan = decide_inference(snap(two, now=NOW, memory=InferenceMemory.start((rules,)), rules=rules))
+    assert plan.scale.services[0].alert == "3 replica start failures in a row: no new lending from chat"
+
+
+def test_a_service_never_healthy_since_start_is_not_fresh_and_lends_nothing_new() -> None:
+    """Issue 12: at start-up a service still bringing replicas up counted as fresh and lent
+    before any load data."""
+    for replicas in ((), (replica(0, R.STARTING, since=NOW),), (replica(0, R.FAILED, failures=1),)):
+        plan = decide_inference(snap(replicas))
+        assert plan.memory.fresh_at["chat"] is None
+        assert plan.envelope.fail_safe is not None and "never fresh" in plan.envelope.fail_safe
+        assert plan.envelope.lendable_gpus == 0
+    # Its first fresh metrics make it fresh.
+    serving = (replica(0, R.SERVING),)
+    plan = decide_inference(snap(serving, signals=load(1.0, "chat/0")))
+    assert plan.memory.fresh_at["chat"] == NOW and plan.envelope.fail_safe is None
+    # An idle service (every replica parked, none wanted) has nothing to measure: fresh.
+    idle_rules = replace(RULES, spec=replace(SPEC, min_replicas=0))
+    parked = (replica(0, R.PARKED, parked_as="sleep"),)
+    plan = decide_inference(snap(parked, rules=idle_rules))
+    assert plan.memory.fresh_at["chat"] == NOW and plan.envelope.fail_safe is None

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from lowtide.domain.states import AttemptState, StepState
-from lowtide.policy.outcomes import ExitDecision, RetryPolicy, classify_exit
+from lowtide.policy.outcomes import ExitDecision, RetryPolicy, classify_exit, classify_launch_failure
 
 RETRY = RetryPolicy(backoff_s=10.0, backoff_max_s=600.0)
 REASON = "container engine failed (exit 125): Cannot connect to the Docker daemon"
@@ -53,3 +53,40 @@ def test_a_cancelled_step_ends_cancelled_even_when_the_engine_failed() -> None:
 def test_a_preempted_step_stays_a_preemption(max_preemptions: int | None) -> None:
     d = decide(StepState.PREEMPTING, infrastructure=REASON, noticed=True, max_preemptions=max_preemptions)
     assert d.step_state == StepState.PREEMPTED and d.preempted and d.retries_used == 1
+
+
+# -- launch failures of the infrastructure (docs/architecture.md §4.4) ----------------------------
+
+
+def launch_failure(step_state: StepState, *, infrastructure: str | None, streak: int = 0) -> ExitDecision:
+    return classify_launch_failure(
+        step_state=step_state,
+        message="cannot create /art/jobs/j/out: Not a directory",
+        temporary=True,
+        retries_used=0,
+        max_retries=0,
+        now=1000.0,
+        retry=RETRY,
+        infrastructure=infrastructure,
+        infrastructure_failures=streak,
+    )
+
+
+def test_an_infrastructure_launch_failure_uses_no_retry_and_backs_off_growing() -> None:
+    delays = []
+    for streak in range(8):
+        d = launch_failure(StepState.RUNNING, infrastructure="storage", streak=streak)
+        assert (d.attempt_state, d.step_state, d.retries_used, d.requeued) == (
+            AttemptState.FAILED,
+            StepState.READY,
+            0,
+            True,
+        )
+        assert "storage" in d.message and "not the step's failure" in d.message
+        delays.append(d.eligible_at - 1000.0)
+    assert delays == [10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 600.0, 600.0]  # growing, capped
+
+
+def test_an_infrastructure_launch_failure_of_a_cancelled_step_still_cancels() -> None:
+    d = launch_failure(StepState.CANCELLING, infrastructure="storage")
+    assert d.step_state == StepState.CANCELLED

@@ -8,8 +8,9 @@ Three parts (this module re-exports them):
 - `GatewayServer` (here): runs one uvicorn server per service port, all inside ONE background
   thread with its own event loop, sharing one `gateway_upstream.UpstreamPool` for the upstream calls.
 
-How the control loop uses it (wiring builds both, then hands the router to the loop as its
-`Gateway` port):
+How it is used: in production `gateway_process` builds both inside the gateway's own process and
+applies the routing table lowtide writes (the control loop talks to `gateway_supervisor`, its
+`Gateway` port); in-process, as tests use it, the router is the `Gateway` port itself:
 
     router = GatewayRouter()
     server = GatewayServer(router, timeouts=GatewayTimeouts(read_s=600))
@@ -150,16 +151,18 @@ class GatewayServer:
         read_timeout_s: float | None = None,
         hold_max: int = 0,
         hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S,
+        reuse_port: bool = False,
     ) -> int:
         """Serve `service` on host:port (0: any free port); returns the port once it accepts.
         `read_timeout_s`: this service's upstream read timeout (None: `timeouts.read_s`).
         `hold_max` / `hold_timeout_s`: requests held at most, and for how long, while the service
-        has no live replica (scale from zero; 0: none, 503 at once; see `gateway_app`)."""
+        has no live replica (scale from zero; 0: none, 503 at once; see `gateway_app`).
+        `reuse_port`: bind with SO_REUSEPORT (the gateway process, `gateway_process`)."""
         with self._lock:
             if service in self._servers:
                 running = self._servers[service]
                 raise GatewayError(f"the gateway already serves {service!r} on {running.host}:{running.port}")
-            sock = _listen(service, host, port)
+            sock = _listen(service, host, port, reuse_port=reuse_port)
             bound = int(sock.getsockname()[1])
             try:
                 loop, client = self._ensure_loop()
@@ -181,6 +184,23 @@ class GatewayServer:
             self._servers[service] = _Running(app, server, future, host, bound)
             log.info("gateway for %s listening on %s:%d", service, host, bound)
             return bound
+
+    def configure(
+        self, service: str, *, read_timeout_s: float | None, hold_max: int, hold_timeout_s: float
+    ) -> None:
+        """Change a served service's read timeout and hold queue in place (new requests see them)."""
+        with self._lock:
+            running = self._servers.get(service)
+        if running is not None:
+            running.app.configure(
+                read_timeout_s=read_timeout_s, hold_max=hold_max, hold_timeout_s=hold_timeout_s
+            )
+
+    def address(self, service: str) -> tuple[str, int] | None:
+        """(host, port) the service is served on, or None."""
+        with self._lock:
+            running = self._servers.get(service)
+        return None if running is None else (running.host, running.port)
 
     def url(self, service: str) -> str | None:
         """The base URL clients use for `service` (without /v1), while it is served."""
@@ -304,9 +324,9 @@ async def _make_client(timeouts: GatewayTimeouts) -> UpstreamPool:
     )
 
 
-def _listen(service: str, host: str, port: int) -> socket.socket:
+def _listen(service: str, host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     try:
-        return bind_tcp(host, port)
+        return bind_tcp(host, port, reuse_port=reuse_port)
     except OSError as exc:
         raise GatewayError(
             f"gateway for service {service!r} cannot listen on {host}:{port}: {exc.strerror or exc}"

@@ -180,6 +180,12 @@ class GatewayApp:
             self._counters[replica, code] = child
         return child
 
+    def configure(self, *, read_timeout_s: float | None, hold_max: int, hold_timeout_s: float) -> None:
+        """New settings for the requests that arrive from now on (held ones keep their deadline)."""
+        self._read_timeout_s = read_timeout_s
+        self.hold_max = hold_max
+        self.hold_timeout_s = hold_timeout_s
+
     def in_flight(self) -> int:
         """Requests this app is proxying now."""
         return len(self._exchanges)

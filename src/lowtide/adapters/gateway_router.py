@@ -1,6 +1,8 @@
 """The gateway's routing table and its Prometheus metrics: which replica takes the next request.
 
-`GatewayRouter` implements the `Gateway` port (`control/inference_ports.py`). Per service it keeps
+`GatewayRouter` implements the `Gateway` port (`control/inference_ports.py`) in-process; in
+production it lives in the gateway process (`gateway_process`), and lowtide reads what it counts
+through `gateway_supervisor`. Per service it keeps
 the live backend set (`replica id -> base URL`, replaced wholesale by `set_backends`) and a counter
 of requests in flight per replica, including replicas that were removed but still finish requests
 (draining). The control loop calls it from its own thread while the proxy (`gateway_app`) calls
@@ -23,7 +25,8 @@ from then on and 0 means the replica may be parked.
 Held requests (scale from zero, docs/architecture.md §4.2): while a service has no live replica
 the proxy holds its requests (`gateway_app`) and counts them here (`held_begin` / `held_end`);
 the control loop reads `held(service)` through the `Gateway` port as demand, and `on_held` (the
-loop's `wake`) is called when a request starts waiting so that the next tick comes at once.
+loop's `wake`, or in the gateway process an immediate status write) is called when a request
+starts waiting so that the next tick comes at once.
 `set_backends` with at least one live replica calls the service's listeners (`listen`): the proxy
 then releases what it holds (no polling).
 

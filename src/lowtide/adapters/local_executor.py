@@ -20,6 +20,11 @@ of ours, or pid and start time matching); single processes only by our tag; anot
 processes are never touched. Every method takes `now` and none sleeps; `runtime kill` helpers are
 started and reaped by later polls. Not thread-safe: the control loop calls it from one thread.
 With an `adapters.exit_watch.ExitWatcher` the loop hears of a shim's end at once (then polls).
+An exit is reported at every `poll` until the loop acknowledges it (`ack_exit`, once the store
+has it), so a store outage cannot lose it (docs/architecture.md §4.4); its `ended_at` is the
+shim's wall-clock time (`AttemptExit.wall_clock`). A launch that fails in lowtide's own
+directories, log or shim (an OSError) or for want of the container engine is an infrastructure
+failure (`ExecutorError.infrastructure`), never the step's.
 
 The process mechanics (shim command line, pid + start time identity, group signalling, tag
 sweeps, atomic records) are shared with `adapters.local_services` through `adapters.supervision`.
@@ -90,6 +95,7 @@ from lowtide.adapters.supervision import (
     shim_argv,
     start_shim_as,
 )
+from lowtide.control.clock import OFFSET_FILE_ENV, Clock
 from lowtide.control.executor_port import (
     AdoptOutcome,
     AdoptRequest,
@@ -173,9 +179,22 @@ def _kill_tagged(tag: str) -> None:
         log.info("killed pid %s left behind by attempt %s", proc.pid, tag)
 
 
+# Launch failures of lowtide's own directories, by what an operator must look at.
+_PERMISSION_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
 def _classify_os_error(exc: OSError, what: str) -> ExecutorError:
+    """An OSError while preparing or starting an attempt: lowtide's directories, log or shim
+    failed, never the step's command (checked before), so it is an infrastructure failure."""
     temporary = exc.errno in _TEMPORARY_ERRNOS
-    return ExecutorError(f"{what}: {exc}", temporary=temporary)
+    if exc.errno in _PERMISSION_ERRNOS:
+        kind = "permissions"
+    elif exc.errno in _FULL_ERRNOS:
+        kind = "disk full"
+    else:
+        kind = "storage"
+    return ExecutorError(f"{what}: {exc}", temporary=temporary, infrastructure=kind)
 
 
 def _last_log_line(log_path: str, max_bytes: int = 8192) -> str:
@@ -239,6 +258,7 @@ class LocalExecutor:
         python: str = sys.executable,
         watcher: ExitWatcher | None = None,
         env_allowlist: Sequence[str] = (),
+        clock: Clock | None = None,
     ) -> None:
         if not instance_id or any(c.isspace() for c in instance_id):
             raise ValueError(f"instance id must be non-empty without spaces: {instance_id!r}")
@@ -246,16 +266,21 @@ class LocalExecutor:
         self._runtime = runtime
         self._python = python
         self._watched: dict[int, _Watch] = {}
+        # Exits reported but not yet acknowledged (`ack_exit`): re-reported at every poll, so an
+        # exit the store could not record (an outage) is never forgotten (§4.4).
+        self._exited: dict[int, AttemptExit] = {}
         self._reap_later: list[subprocess.Popen[bytes]] = []  # exited shims and `runtime kill`s
         # Makes the loop poll as soon as a shim ends (its GPUs are free), not at the next tick.
         self._watcher = watcher
         self._allowlist = tuple(env_allowlist)
         self._user = current_user()
+        # Converts the notice's deadline (control time) to the wall clock the step reads.
+        self._clock = clock
 
     # -- launch ---------------------------------------------------------------------------
 
     def launch(self, request: LaunchRequest, now: float) -> ProcessIdentity:
-        if request.attempt_id in self._watched:
+        if request.attempt_id in self._watched or request.attempt_id in self._exited:
             raise ExecutorError(f"attempt {request.attempt_id} is already running", temporary=False)
         req = replace(request, work_dir=str(Path(request.work_dir).absolute()))
         run_as = req.run_as
@@ -270,7 +295,8 @@ class LocalExecutor:
             tmp_dir=str(Path(req.work_dir) / TMP_SUBDIR),
             user=run_as.user if run_as is not None else self._user,
             tag=(TAG_ENV, _tag(self.instance_id, req.attempt_id)),
-            keep=ENGINE_CLIENT_ENV if self._runtime is not None else (),
+            # The clock's fault-injection hook reaches the shim, so its `ended_at` jumps with ours.
+            keep=(*(ENGINE_CLIENT_ENV if self._runtime is not None else ()), OFFSET_FILE_ENV),
         )
         name: str | None = None
         if self._runtime is not None:
@@ -278,6 +304,7 @@ class LocalExecutor:
                 raise ExecutorError(
                     f"runtime {self._runtime.engine!r} executable {self._runtime.binary!r} is missing",
                     temporary=False,
+                    infrastructure="runtime",
                 )
             name = container_name(self.instance_id, req.attempt_id)
             try:
@@ -320,8 +347,6 @@ class LocalExecutor:
                 group=shim_user.gid if shim_user is not None else None,
                 umask=0o077 if shim_user is not None else -1,
             )
-        except FileNotFoundError as exc:
-            raise ExecutorError(f"cannot start attempt {req.attempt_id}: {exc}", temporary=False) from exc
         except OSError as exc:
             raise _classify_os_error(exc, f"cannot start attempt {req.attempt_id}") from exc
 
@@ -359,16 +384,22 @@ class LocalExecutor:
     ) -> None:
         watch = self._watched.get(attempt_id)
         if watch is None:
+            if attempt_id in self._exited:
+                return  # it has ended already; the exit is waiting for the store
             raise ExecutorError(f"attempt {attempt_id} is not watched by this executor", temporary=False)
         first = watch.deadline is None
         if not first and watch.deadline is not None and deadline >= watch.deadline:
             return  # idempotent: a later or equal deadline changes nothing
         watch.deadline = deadline
+        # The step compares with its own wall clock: control time + (wall − control) now, so a
+        # wall clock that jumped before the notice does not hide or shorten the grace (§4.3).
+        skew = self._clock.wall() - self._clock.now() if self._clock is not None else 0.0
         notice = {
-            "deadline": deadline,
-            "deadline_iso": datetime.fromtimestamp(deadline, UTC).isoformat(),
+            "deadline": deadline + skew,
+            "deadline_iso": datetime.fromtimestamp(deadline + skew, UTC).isoformat(),
+            "grace_seconds": max(0.0, deadline - now),
             "reason": reason,
-            "given_at": now,
+            "given_at": now + skew,
         }
         try:
             safe_write_json(watch.notice_path, notice)  # the step may own the directory
@@ -413,9 +444,10 @@ class LocalExecutor:
     # -- watch ----------------------------------------------------------------------------
 
     def poll(self, now: float) -> list[AttemptExit]:
+        """New exits join those not yet acknowledged; all are reported (see `ack_exit`)."""
         reap_exited(self._reap_later)
         reap_exited(_DETACHED)
-        exits: list[AttemptExit] = []
+        exits: list[AttemptExit] = list(self._exited.values())
         for watch in list(self._watched.values()):
             try:
                 result = self._poll_one(watch, now)
@@ -427,8 +459,16 @@ class LocalExecutor:
                 del self._watched[watch.attempt_id]
                 if self._watcher is not None:
                     self._watcher.forget(("attempt", watch.attempt_id))
+                self._exited[watch.attempt_id] = result
                 exits.append(result)
         return exits
+
+    def ack_exit(self, attempt_id: int) -> None:
+        self._exited.pop(attempt_id, None)
+
+    def pending_exits(self) -> set[int]:
+        """Attempt ids whose exit is reported but not yet acknowledged (diagnostics, tests)."""
+        return set(self._exited)
 
     def _watch_exit(self, attempt_id: int, identity: ProcessIdentity) -> None:
         if self._watcher is not None:
@@ -463,6 +503,7 @@ class LocalExecutor:
                 ended_at=status.ended_at,
                 killed_at_deadline=watch.killed_at_deadline,
                 infrastructure=self._engine_failure(watch.container, status.exit_code, watch.log_path),
+                wall_clock=True,
             )
         sig: int | None = -returncode if returncode is not None and returncode < 0 else None
         if sig is None and watch.killed_at_deadline:
@@ -491,6 +532,9 @@ class LocalExecutor:
         known = self._watched.get(request.attempt_id)
         if known is not None:
             return AdoptResult(AdoptOutcome.ADOPTED, identity=known.identity)
+        ended = self._exited.get(request.attempt_id)
+        if ended is not None:  # reported, not yet recorded: still reported until acknowledged
+            return AdoptResult(AdoptOutcome.EXITED, exit=ended, identity=request.identity)
         work_dir = Path(request.work_dir).absolute()
         exit_file = str(work_dir / EXIT_FILE)
         shim_info = self._read_shim_file(work_dir, request.attempt_id)
@@ -533,17 +577,16 @@ class LocalExecutor:
         if status is None:
             self._kill_container(request.attempt_id, container)  # its client is gone, maybe not it
             return AdoptResult(AdoptOutcome.LOST, identity=known_identity)
-        return AdoptResult(
-            AdoptOutcome.EXITED,
-            exit=AttemptExit(
-                request.attempt_id,
-                status.exit_code,
-                status.signal,
-                status.ended_at,
-                infrastructure=self._engine_failure(container, status.exit_code, str(work_dir / "log")),
-            ),
-            identity=known_identity,
+        ended = AttemptExit(
+            request.attempt_id,
+            status.exit_code,
+            status.signal,
+            status.ended_at,
+            infrastructure=self._engine_failure(container, status.exit_code, str(work_dir / "log")),
+            wall_clock=True,
         )
+        self._exited[request.attempt_id] = ended  # reported by `poll` too until acknowledged
+        return AdoptResult(AdoptOutcome.EXITED, exit=ended, identity=known_identity)
 
     def _is_live_shim(self, identity: ProcessIdentity, attempt_id: int, *, require_instance: bool) -> bool:
         parsed = live_shim_args(identity)
@@ -598,6 +641,7 @@ class LocalExecutor:
             for attempt_id in self._watched:
                 self._watcher.forget(("attempt", attempt_id))
         self._watched.clear()
+        self._exited.clear()  # their exit files stay: the next control plane adopts them as EXITED
         self._reap_later = []
         reap_exited(_DETACHED)
 

@@ -317,6 +317,12 @@ class LocalServiceManager:
         if self._closed:
             return
         self._closed = True
+        self.forget()
+        self._checker.close()
+
+    def forget(self) -> None:
+        """Stop watching every replica (they keep running; a control plane that lost its lease
+        leaves them to the next leader) and stay usable: `adopt` re-attaches them later."""
         if self._watcher is not None:
             for rid in self._replicas:
                 self._watcher.forget(("replica", rid))
@@ -326,7 +332,7 @@ class LocalServiceManager:
             if rep.proc is not None and rep.proc.popen is not None
         )
         self._replicas.clear()
-        self._checker.close()
+        self._events.clear()
 
     # -- diagnostics ------------------------------------------------------------------------------
 

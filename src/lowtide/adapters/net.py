@@ -11,11 +11,16 @@ from __future__ import annotations
 import socket
 
 
-def bind_tcp(host: str, port: int) -> socket.socket:
-    """A bound (not yet listening) TCP socket; raises OSError if the address is taken."""
+def bind_tcp(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A bound (not yet listening) TCP socket; raises OSError if the address is taken.
+    `reuse_port`: SO_REUSEPORT (Linux ≥ 3.9, socket(7)): another socket of the same user that
+    also sets it may bind the same address, and the kernel spreads new connections over both
+    (the gateway's hand-over to its successor, `gateway_supervisor`)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError:

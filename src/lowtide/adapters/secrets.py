@@ -67,7 +67,9 @@ class ConfiguredSecrets:
             except OSError as exc:
                 reason = exc.strerror or type(exc).__name__
                 raise ExecutorError(
-                    f"secret {name!r}: cannot read its file {source.ref}: {reason}", temporary=False
+                    f"secret {name!r}: cannot read its file {source.ref}: {reason}",
+                    temporary=False,
+                    infrastructure="secrets",
                 ) from None
             if len(data) > MAX_SECRET_BYTES:
                 raise ExecutorError(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -42,12 +43,27 @@ def _remember(signum: int, _frame: FrameType | None) -> None:
     _pending.append(signum)
 
 
+def _wall() -> float:
+    """The wall clock, with the fault-injection offset of ``LOWTIDE_FAULT_CLOCK_OFFSET_FILE`` when
+    set (a testing hook: `lowtide.control.clock`, read the same way: a float, else 0)."""
+    now = time.time()
+    path = os.environ.get("LOWTIDE_FAULT_CLOCK_OFFSET_FILE")
+    if not path:
+        return now
+    try:
+        with open(path, encoding="utf-8") as fh:
+            offset = float(fh.read(64).strip() or 0.0)
+    except (OSError, ValueError):
+        return now
+    return now + offset if math.isfinite(offset) else now
+
+
 def _write_exit_file(path: str, exit_code: int | None, sig: int | None) -> None:
     """Write the status atomically so a reader never sees half a file. The temporary file is
     created with O_EXCL | O_NOFOLLOW: the step may own the directory (and, in a container, run
     as another uid than this shim), so a symlink it planted there must never be followed."""
     tmp = Path(f"{path}.tmp.{os.getpid()}")
-    payload = {"exit_code": exit_code, "signal": sig, "ended_at": time.time()}
+    payload = {"exit_code": exit_code, "signal": sig, "ended_at": _wall()}
     try:
         tmp.unlink(missing_ok=True)  # removing a planted link does not follow it
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)

@@ -4,7 +4,9 @@ Role: everything about a process run under `adapters.step_shim` that does not de
 runs. Building the shim's command line and recognising it in the process table; starting it in
 its own session and process group with its output appended to a log; atomic JSON records (the
 shim file with pid and start time, stop notices) and reading the exit record the shim writes;
-proving that a pid still names the process we started (pid + create time, `START_TIME_TOLERANCE`);
+proving that a pid still names the process we started (pid + start time, `START_TIME_TOLERANCE`;
+start times count from a boot time pinned once per boot, `pin_boot_time`, so that a wall clock
+stepped while processes run does not make lowtide disown them);
 watching a shim without reaping it and signalling its group only while its leader is verifiably
 that shim; SIGKILLing the processes whose environment carries a caller's tag.
 
@@ -29,6 +31,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +45,8 @@ from lowtide.control.executor_port import ProcessIdentity
 log = logging.getLogger(__name__)
 
 SHIM_MODULE = "lowtide.adapters.step_shim"
-START_TIME_TOLERANCE = 0.01  # seconds; psutil's create_time is derived from boot time and jiffies
+START_TIME_TOLERANCE = 0.01  # seconds; a start time is derived from boot time and jiffies
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 
 K = TypeVar("K")
 
@@ -186,13 +190,87 @@ def start_shim(
         )
 
 
+# -- start times --------------------------------------------------------------------------------------
+#
+# psutil's `create_time()` is the process's start in clock ticks since boot (/proc/PID/stat field
+# 22, "starttime", proc(5)) plus the boot time of /proc/stat "btime", which Linux derives from the
+# wall clock: stepping the wall clock (settimeofday, NTP, a VM restore) moves btime, and with it
+# every create_time (psutil 7.2 docs: "may be affected by changes such as manual adjustments or
+# time synchronization"). Identities compared that way stop matching after a step, and lowtide
+# would take its own live steps and replicas for dead ones. So start times here count the ticks
+# from a boot time pinned once per boot (kept in the state dir with the kernel's boot id), which
+# gives the same values as create_time until the clock is stepped, and keeps them after.
+
+_pinned_lock = threading.Lock()
+_pinned: list[float] = []  # at most one boot time: the first pinned (or read) in this process
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path(BOOT_ID_PATH).read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return None
+
+
+def pin_boot_time(path: Path | None = None) -> float:
+    """The boot time (epoch seconds) every start time of this process counts from: with `path`, the
+    one recorded there for this boot (the kernel's boot id), else the current one, recorded there;
+    without, the current one. Pinned once per process; later calls return it. A file this process
+    cannot read or write only loses the protection across restarts (logged)."""
+    with _pinned_lock:
+        if _pinned:
+            return _pinned[0]
+        btime = psutil.boot_time()
+        boot_id = _boot_id()
+        if path is not None and boot_id is not None:
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+                if data.get("boot_id") == boot_id and isinstance(data.get("btime"), int | float):
+                    if abs(float(data["btime"]) - btime) > 1.0:
+                        log.warning(
+                            "the wall clock moved by %+.1f s since lowtide first ran in this boot; "
+                            "process start times keep counting from then",
+                            btime - float(data["btime"]),
+                        )
+                    btime = float(data["btime"])
+                else:
+                    raise ValueError("another boot")
+            except (OSError, ValueError, AttributeError):
+                try:
+                    atomic_write_json(path, {"boot_id": boot_id, "btime": btime})
+                except OSError as exc:
+                    log.warning("cannot record the boot time in %s: %s", path, exc)
+        _pinned.append(btime)
+        return btime
+
+
+def start_time(proc: psutil.Process) -> float:
+    """When `proc` started: its clock ticks since boot from /proc/PID/stat, plus the pinned boot
+    time (`pin_boot_time`). Raises psutil.NoSuchProcess when it is gone; where /proc has no such
+    file (not Linux), psutil's create_time."""
+    try:
+        stat = Path(f"/proc/{proc.pid}/stat").read_text(encoding="ascii", errors="replace")
+    except FileNotFoundError:
+        if Path("/proc/self/stat").exists():
+            raise psutil.NoSuchProcess(proc.pid) from None
+        return proc.create_time()
+    except PermissionError:
+        raise psutil.AccessDenied(proc.pid) from None
+    # Fields after "(comm)", which may itself hold spaces or parentheses: state is field 3.
+    ticks = float(stat[stat.rfind(")") + 2 :].split()[19])  # field 22, starttime
+    return ticks / _CLOCK_TICKS + pin_boot_time()
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
 def identify_child(
     popen: subprocess.Popen[bytes], reap_later: list[subprocess.Popen[bytes]]
 ) -> ProcessIdentity:
     """The identity of a child just started. Raises psutil.Error, having SIGKILLed the child and
     queued it in `reap_later` (cannot happen for an unreaped child; be explicit if it does)."""
     try:
-        started_at = psutil.Process(popen.pid).create_time()
+        started_at = start_time(psutil.Process(popen.pid))
     except psutil.Error:
         popen.kill()
         reap_later.append(popen)
@@ -207,7 +285,7 @@ def same_process(identity: ProcessIdentity) -> psutil.Process | None:
     """The process with this pid if it is the one that started at `identity.started_at`."""
     try:
         proc = psutil.Process(identity.pid)
-        if abs(proc.create_time() - identity.started_at) > START_TIME_TOLERANCE:
+        if abs(start_time(proc) - identity.started_at) > START_TIME_TOLERANCE:
             return None
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
@@ -341,7 +419,7 @@ def find_shim(match: Callable[[psutil.Process, str, int], bool]) -> ProcessIdent
     for proc, instance, number in iter_shims():
         if match(proc, instance, number):
             try:
-                return ProcessIdentity(pid=proc.pid, started_at=proc.create_time())
+                return ProcessIdentity(pid=proc.pid, started_at=start_time(proc))
             except psutil.Error:
                 continue
     return None

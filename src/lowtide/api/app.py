@@ -11,6 +11,7 @@ through its executor).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -23,12 +24,13 @@ from typing import Annotated, Any, TypeVar
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi import Path as PathParam
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from lowtide import __version__
+from lowtide.api import dashboard, idempotency, schemas
 from lowtide.api import reports as reports_api
-from lowtide.api import schemas
 from lowtide.api import services as services_api
+from lowtide.api import session as session_api
 from lowtide.api.auth import (
     Principal,
     authenticate,
@@ -39,12 +41,19 @@ from lowtide.api.auth import (
     require_submitter,
     require_visible,
 )
-from lowtide.api.errors import ApiError, install_error_handlers
+from lowtide.api.errors import STORE_RETRY_AFTER_S, ApiError, install_error_handlers
 from lowtide.api.metrics import LoopStatus, metrics_text
 from lowtide.control.clock import Clock
 from lowtide.control.contract import parse_checkpoint_label
 from lowtide.control.inference import InferenceController
-from lowtide.control.records import JobRecord, LastAdminToken, NewJob, NotFound
+from lowtide.control.records import (
+    IdempotencyConflict,
+    JobRecord,
+    LastAdminToken,
+    NewJob,
+    NotFound,
+    StoreUnavailable,
+)
 from lowtide.control.secrets_port import SecretRule, secret_issues
 from lowtide.domain.gpus import Node
 from lowtide.domain.ids import new_job_id
@@ -112,6 +121,8 @@ class ApiContext:
     secret_rules: dict[str, SecretRule] = field(default_factory=dict)
     #: Steps a job may have (config `scheduler.max_steps_per_job`; None: no limit).
     max_steps_per_job: int | None = None
+    #: Seconds the store may fail before /healthz answers 503 (config `api.store_unhealthy_after`).
+    store_unhealthy_after_s: float = 30.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -173,6 +184,7 @@ async def _no_nul(request: Request) -> None:
 Who = Annotated[Principal, Depends(_principal)]
 Params = Annotated[list[str] | None, Query(description="parameter override, k=v (repeatable)")]
 Body = Annotated[tuple[bytes, str], Depends(_spec_body)]
+IdemKey = Annotated[str | None, Depends(idempotency.idempotency_key)]
 
 
 def create_app(ctx: ApiContext) -> FastAPI:
@@ -192,7 +204,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
             CORSMiddleware,
             allow_origins=list(ctx.cors_origins),
             allow_methods=["GET", "POST", "DELETE"],
-            allow_headers=["Authorization", "Content-Type"],
+            allow_headers=["Authorization", "Content-Type", idempotency.HEADER],
         )
     app.state.ctx = ctx
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_no_nul)])
@@ -252,11 +264,15 @@ def create_app(ctx: ApiContext) -> FastAPI:
         openapi_extra=_SPEC_BODY,
         summary="Submit a job (YAML or JSON spec)",
     )
-    def submit_job(who: Who, body: Body, response: Response, param: Params = None) -> schemas.JobOut:
+    def submit_job(
+        who: Who, body: Body, response: Response, key: IdemKey, param: Params = None
+    ) -> schemas.JobOut:
         require_submitter(who)
         data, fmt = body
         spec = _parse(data, fmt, param, who)
-        job = _create(spec, data.decode("utf-8"), who.name, rerun_of=None)
+        digest = idempotency.request_digest("submit", [fmt, data, *(param or [])])
+        source = data.decode("utf-8")
+        job = _create(spec, source, who.name, rerun_of=None, key=key, digest=digest, response=response)
         response.headers["Location"] = f"/v1/jobs/{job.id}"
         return schemas.job_out(job).model_copy(update={"warnings": _warnings(spec)})
 
@@ -278,20 +294,40 @@ def create_app(ctx: ApiContext) -> FastAPI:
         spec = _parse(data, fmt, param, who)
         return schemas.DryRunOut(valid=True, spec=spec.to_document(), warnings=_warnings(spec))
 
-    def _create(spec: JobSpec, source: str, owner: str, rerun_of: str | None) -> JobRecord:
+    def _create(
+        spec: JobSpec,
+        source: str,
+        owner: str,
+        rerun_of: str | None,
+        *,
+        key: str | None = None,
+        digest: str | None = None,
+        response: Response | None = None,
+    ) -> JobRecord:
+        """Store the job; with an idempotency `key`, the owner's job made by the same request
+        (same `digest`) comes back instead (marked `Idempotent-Replayed` on `response`)."""
         job_id = new_job_id()
         resolved = tuple(render_step(spec, s, job_id=job_id, layout=ctx.layout) for s in spec.steps)
-        job = ctx.store.create_job(
-            NewJob(
-                id=job_id,
-                spec=spec,
-                resolved=resolved,
-                source_text=source,
-                owner=owner,
-                submitted_at=ctx.clock.now(),
-                rerun_of=rerun_of,
+        try:
+            job = ctx.store.create_job(
+                NewJob(
+                    id=job_id,
+                    spec=spec,
+                    resolved=resolved,
+                    source_text=source,
+                    owner=owner,
+                    submitted_at=ctx.clock.now(),
+                    rerun_of=rerun_of,
+                    idempotency_key=key,
+                    request_digest=digest if key is not None else None,
+                )
             )
-        )
+        except IdempotencyConflict as exc:
+            raise idempotency.conflict(exc.key, exc.job_id) from exc
+        if job.id != job_id:  # an earlier request with this key made it
+            if response is not None:
+                response.headers[idempotency.REPLAYED_HEADER] = "true"
+            return job
         ctx.on_change()
         return job
 
@@ -350,7 +386,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
         responses={404: {"model": schemas.ErrorOut}},
         summary="Submit a new job from a job's recorded spec and parameters",
     )
-    def rerun_job(who: Who, job_id: str, response: Response) -> schemas.JobOut:
+    def rerun_job(who: Who, job_id: str, response: Response, key: IdemKey) -> schemas.JobOut:
         require_people(who)
         job = _found(lambda: ctx.store.job(job_id))
         require_visible(who, job)
@@ -364,7 +400,10 @@ def create_app(ctx: ApiContext) -> FastAPI:
         except SpecInvalid as exc:  # the pool shrank since: say so, located
             raise _spec_error(exc) from exc
         _govern(spec, who)  # the rerun is the caller's job: their token must allow it
-        new_job = _create(spec, job.source_text, who.name, rerun_of=job_id)
+        digest = idempotency.request_digest("rerun", [job_id])
+        new_job = _create(
+            spec, job.source_text, who.name, rerun_of=job_id, key=key, digest=digest, response=response
+        )
         response.headers["Location"] = f"/v1/jobs/{new_job.id}"
         return schemas.job_out(new_job)
 
@@ -629,21 +668,61 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return Response(status_code=204)
 
     app.include_router(v1)
+    app.include_router(session_api.router())  # the dashboard: browser sessions, /ui/, SSE
+    dashboard.install(app)
 
     # -- unauthenticated -----------------------------------------------------------------------
 
-    @app.get("/healthz", summary="Liveness of the API, the store and the control loop")
-    def healthz() -> dict[str, Any]:
+    @app.get(
+        "/healthz",
+        summary="Liveness of the API, the store and the control loop",
+        responses={503: {"description": "the store has failed for longer than api.store_unhealthy_after"}},
+    )
+    def healthz() -> JSONResponse:
+        """200 while the store works or has failed for less than the bound; 503 with the reason
+        and since when after that (docs/architecture.md §4.4). Infrastructure alerts (launches
+        failing because of lowtide's storage, runtime, secrets or store) are listed, not fatal."""
         status = ctx.loop_status()
         now = ctx.clock.now()
-        ctx.store.counts()  # raises (→ 500) if the store is unreachable
+        with contextlib.suppress(StoreUnavailable):  # recorded in `store.health`
+            ctx.store.counts()
         loop = None
         if status is not None:
             loop = {
                 "last_tick_at": status.last_tick_at,
                 "age_s": (now - status.last_tick_at) if status.last_tick_at else None,
             }
-        return {"status": "ok", "version": __version__, "loop": loop}
+        health = ctx.store.health
+        outage = health.outage()
+        store: dict[str, Any] = {"ok": outage is None}
+        if outage is not None:
+            store.update(
+                failing_since=outage.since_wall,
+                failing_for_s=round(outage.age(health.clock.now()), 3),
+                failing=outage.access,
+                reason=outage.reason,
+            )
+        alerts = [
+            {"kind": kind, "message": message}
+            for kind, message in (status.infrastructure_alerts if status is not None else {}).items()
+        ]
+        unhealthy = health.unhealthy(ctx.store_unhealthy_after_s)
+        body: dict[str, Any] = {
+            "status": "ok" if unhealthy is None else "unhealthy",
+            "version": __version__,
+            "loop": loop,
+            "store": store,
+            "alerts": alerts,
+            # leader or standby (a standby is healthy: it serves the API and waits for the lease)
+            "control": dict(status.control) if status is not None and status.control is not None else None,
+        }
+        if unhealthy is not None:
+            body["reason"] = (
+                f"the store has failed {unhealthy.access}s for {unhealthy.age(health.clock.now()):.0f}s "
+                f"(more than {ctx.store_unhealthy_after_s:g}s): {unhealthy.reason}"
+            )
+            return JSONResponse(body, status_code=503, headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
+        return JSONResponse(body)
 
     @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics (lowtide_*)")
     def metrics() -> Response:

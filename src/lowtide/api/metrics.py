@@ -6,9 +6,11 @@ for states that emptied). Must not: keep counters of its own that could drift fr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from lowtide.control.inference import InferenceController
@@ -31,6 +33,15 @@ class LoopStatus:
     ticks: int
     tick_errors: int
     queued_waiting: int
+    clock_jumps: int = 0  # wall-clock jumps seen since start (control.clock.ClockWatch)
+    clock_skew_s: float = 0.0  # wall − control time at the last check
+    #: Infrastructure alerts now (kind → last message) and launch failures by kind since start
+    #: (`control.loop.ControlLoop.infrastructure_alerts`, docs/architecture.md §4.4).
+    infrastructure_alerts: Mapping[str, str] = field(default_factory=dict)
+    infrastructure_failures: Mapping[str, int] = field(default_factory=dict)
+    #: Leader or standby, and who holds the lease (`control.leadership.Leadership.status`); None
+    #: when this process runs without a lease (tests that build lowtide by hand).
+    control: Mapping[str, Any] | None = None
 
 
 def metrics_text(
@@ -60,6 +71,12 @@ def metrics_text(
     reclaims = Gauge("lowtide_reclaims", "Reclaims of lent GPUs by state (all time)", ["state"], registry=reg)
     for reclaim_state in ReclaimState:
         reclaims.labels(reclaim_state.value).set(counts["reclaims"].get(reclaim_state.value, 0))
+    outage = store.health.outage()  # docs/architecture.md §4.4
+    up = Gauge("lowtide_store_up", "0 while reads or writes of the store fail", registry=reg)
+    up.set(int(outage is None))
+    Gauge(
+        "lowtide_store_failing_seconds", "How long the store has been failing (0: it works)", registry=reg
+    ).set(outage.age(store.health.clock.now()) if outage is not None else 0.0)
     preemptions, lost = store.preemption_totals()
     Gauge("lowtide_preemptions", "Step preemptions recorded (all time)", registry=reg).set(preemptions)
     Gauge("lowtide_lost_gpu_seconds", "GPU-seconds of work lost to preemptions (all time)", registry=reg).set(
@@ -77,6 +94,36 @@ def metrics_text(
             Gauge("lowtide_loop_last_tick_timestamp_seconds", "When the last tick ran", registry=reg).set(
                 loop.last_tick_at
             )
+        Gauge(
+            "lowtide_clock_jumps_total",
+            "Wall-clock jumps seen since start (deadlines ignore them)",
+            registry=reg,
+        ).set(loop.clock_jumps)
+        Gauge("lowtide_clock_skew_seconds", "Wall clock minus control (monotonic) time", registry=reg).set(
+            loop.clock_skew_s
+        )
+        failures = Counter(
+            "lowtide_infrastructure_failures",
+            "Launches that failed because of the infrastructure, not the step (since start)",
+            ["kind"],
+            registry=reg,
+        )
+        for kind, n in loop.infrastructure_failures.items():
+            failures.labels(kind).inc(n)
+        alert = Gauge(
+            "lowtide_infrastructure_alert",
+            "1 while launches fail because of this part of the infrastructure (see /healthz)",
+            ["kind"],
+            registry=reg,
+        )
+        for kind in loop.infrastructure_alerts:
+            alert.labels(kind).set(1)
+    if loop is not None and loop.control is not None:
+        Gauge(
+            "lowtide_leader",
+            "1 while this control plane holds the lease and acts, 0 on a standby",
+            registry=reg,
+        ).set(1 if loop.control.get("role") == "leader" else 0)
     if inference is not None:
         _inference_metrics(reg, store, inference)
     return generate_latest(reg), CONTENT_TYPE_LATEST

@@ -14,6 +14,7 @@ import json
 import logging
 import sys
 import time
+import uuid
 from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
@@ -53,6 +54,8 @@ app.command("doctor", help="Check a running vLLM replica against what lowtide ne
 out = console()
 err = console(stderr=True)
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
+#: How long `lowtide submit` keeps retrying an unreachable or unavailable lowtide (same key).
+SUBMIT_RETRY_S = 60.0
 
 
 class _State:
@@ -201,7 +204,7 @@ def up(
     host: Annotated[str | None, typer.Option(help="Listen address (default from config).")] = None,
     port: Annotated[int | None, typer.Option(help="Listen port (default from config).")] = None,
     stop_replicas_on_exit: Annotated[
-        bool, typer.Option(help="Stop inference replicas when lowtide stops (default: keep them serving).")
+        bool, typer.Option(help="Stop the gateway and replicas when lowtide stops (default: keep serving).")
     ] = False,
     config: Annotated[
         str | None, typer.Option("--config", "-c", help="lowtide.yaml to use (as `lowtide -c FILE up`).")
@@ -226,11 +229,14 @@ def up(
             err.print(f"WARNING: {warning}", markup=False, highlight=False, style="bold yellow")
     except ConfigError as exc:
         _fail(str(exc))
-    err.print(f"lowtide listening on {settings.api.url} (state in {Path(settings.state_dir).resolve()})")
-    if settings.auth.enabled:
-        err.print(f"admin token: {settings.admin_token_path} (created on first start, mode 0600)")
+
+    def listening(real: Settings) -> None:  # only once it really listens: a refused start says only why
+        err.print(f"lowtide listening on {real.api.url} (state in {Path(real.state_dir).resolve()})")
+        if real.auth.enabled:
+            err.print(f"admin token: {real.admin_token_path} (created on first start, mode 0600)")
+
     try:
-        serve(settings, stop_replicas_on_exit=stop_replicas_on_exit)
+        serve(settings, stop_replicas_on_exit=stop_replicas_on_exit, on_listening=listening)
     except ConfigError as exc:
         _fail(str(exc))
     except ServeError as exc:
@@ -320,12 +326,20 @@ def submit(
     JSON goes to stdout (with --wait, the final job detail plus the submit's `warnings`)."""
     data = _read_spec(file)
     client = _client()
+
+    def retrying(failure: ApiFailure, wait: float) -> None:
+        err.print(f"[yellow]{safe(failure.message)}[/yellow]; retrying in {wait:g}s (same Idempotency-Key)")
+
+    # One key per invocation: a retry after a lost answer or a 503 returns the same job.
     result = _call(
         client.submit,
         data,
         content_type=_content_type(file),
         params=param or [],
         dry_run=dry_run,
+        idempotency_key=None if dry_run else str(uuid.uuid4()),
+        retry_for_s=0.0 if dry_run else SUBMIT_RETRY_S,
+        on_retry=retrying,
         where=str(file),
     )
     _print_warnings(result.get("warnings"), str(file))

@@ -2,8 +2,9 @@
 
 Neighbours: the loop calls `step_environment` when it launches an attempt; executors pass the
 result through unchanged (containers by name). `parse_checkpoint_label` is the one rule for a
-checkpoint label, whether a step wrote it to LATEST or reported it through the API. Must not: read
-the process environment, the clock or files.
+checkpoint label, whether a step wrote it to LATEST or reported it through the API;
+`parse_manifest` the one rule for a checkpoint's manifest (`manifest_uri`). Must not: read the
+process environment, the clock or files.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from lowtide.domain.gpus import cuda_visible_devices
 from lowtide.domain.layout import is_remote, join_uri
 from lowtide.domain.spec import ResolvedStep
 from lowtide.domain.spec_render import param_text
+from lowtide.policy.checkpoints import ManifestEntry
 from lowtide.policy.lending import GpuShare
 
 _ENV_UNSAFE = re.compile(r"[^A-Za-z0-9_]")
@@ -123,3 +125,59 @@ def parse_checkpoint_label(text: str, *, checkpoint_dir: str | None = None) -> s
                 f"an absolute checkpoint label must lie inside the step's checkpoint directory {inside}"
             )
     return label
+
+
+#: The longest manifest lowtide reads, and the most files it may list.
+MANIFEST_MAX_BYTES = 1024 * 1024
+MANIFEST_MAX_FILES = 10_000
+#: What a manifest's ``format`` says (docs/architecture.md §6.2).
+MANIFEST_FORMAT = "lowtide-checkpoint-manifest/1"
+_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
+
+
+def manifest_uri(checkpoint_dir: str, label: str) -> str:
+    """Where the manifest of checkpoint `label` is: beside it, ``<label>.manifest.json``."""
+    return resume_uri(checkpoint_dir, label).rstrip("/") + ".manifest.json"
+
+
+def parse_manifest(text: str) -> tuple[ManifestEntry, ...]:
+    """A checkpoint's manifest (docs/architecture.md §6.2), written by the step after the
+    checkpoint's files and before LATEST names it. JSON::
+
+        {"format": "lowtide-checkpoint-manifest/1",
+         "files": [{"path": "step-000150.json", "size": 1234, "sha256": "<64 hex digits>"}]}
+
+    `path` is relative to the step's checkpoint directory (no leading ``/``, no ``..`` or empty
+    segment); `size` is in bytes; `sha256` may be left out (the file is then checked by size).
+    At least one file, at most MANIFEST_MAX_FILES. Raises ValueError with the reason otherwise."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
+        raise ValueError(f"not an object with format {MANIFEST_FORMAT!r}")
+    files = doc.get("files")
+    if not isinstance(files, list) or not files:
+        raise ValueError("'files' must be a non-empty list")
+    if len(files) > MANIFEST_MAX_FILES:
+        raise ValueError(f"more than {MANIFEST_MAX_FILES} files")
+    entries: list[ManifestEntry] = []
+    for i, item in enumerate(files):
+        if not isinstance(item, dict):
+            raise ValueError(f"files[{i}] is not an object")
+        path, size, digest = item.get("path"), item.get("size"), item.get("sha256")
+        if (
+            not isinstance(path, str)
+            or not path
+            or len(path) > MAX_LABEL_CHARS
+            or not path.isprintable()
+            or path.startswith("/")
+            or any(part in ("", "..") for part in path.split("/"))
+        ):
+            raise ValueError(f"files[{i}].path must be a relative path inside the checkpoint directory")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ValueError(f"files[{i}].size must be a whole number of bytes")
+        if digest is not None and (not isinstance(digest, str) or not _SHA256.fullmatch(digest)):
+            raise ValueError(f"files[{i}].sha256 must be 64 hex digits")
+        entries.append(ManifestEntry(path, size, digest.lower() if digest else None))
+    return tuple(entries)

@@ -15,11 +15,16 @@ from typing import Protocol
 
 
 class ExecutorError(Exception):
-    """A launch or stop that did not happen. `temporary` errors may succeed if retried later."""
+    """A launch or stop that did not happen. `temporary` errors may succeed if retried later.
 
-    def __init__(self, message: str, *, temporary: bool) -> None:
+    `infrastructure` names the part of the machinery that failed when it is not the step's
+    fault ("storage", "permissions", "disk full", "runtime", "secrets", "store"): such a launch
+    failure uses no retry of the step, backs off and raises an operator alert (§4.4)."""
+
+    def __init__(self, message: str, *, temporary: bool, infrastructure: str | None = None) -> None:
         super().__init__(message)
         self.temporary = temporary
+        self.infrastructure = infrastructure
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +95,9 @@ class AttemptExit:
     #: Set when the attempt ended because the machinery failed, not the step (a container engine's
     #: exit 125): the reason. Such an exit uses no retry (`policy.outcomes.classify_exit`).
     infrastructure: str | None = None
+    #: `ended_at` is another process's wall-clock time (a shim's exit record), not control
+    #: time: the loop converts it with `Clock.wall()`/`Clock.now()` and clamps it.
+    wall_clock: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +135,13 @@ class Executor(Protocol):
         ...
 
     def poll(self, now: float) -> list[AttemptExit]:
-        """Report attempts that have exited since the last poll; kill those past their deadline."""
+        """Report attempts that have exited and whose exit is not yet acknowledged (`ack_exit`):
+        an exit is reported again at every poll until the store has it, so a store outage
+        cannot lose it. Kills attempts past their deadline."""
+        ...
+
+    def ack_exit(self, attempt_id: int) -> None:
+        """The store has recorded this attempt's exit: stop reporting it (unknown ids: no-op)."""
         ...
 
     def adopt(self, request: AdoptRequest, now: float) -> AdoptResult:

@@ -17,7 +17,8 @@ replicas serve; the reclaim decision booked by `control.reclaimer`; the forecast
 now and then. Every item is handled on its own: `StaleState` / `GpuBusy` skip it, any other
 error is logged, and either asks for a follow-up tick (`InferenceTick.changed`); when a replica
 action failed, the decision is completed again on the replicas as the store has them
-(`policy.inference.complete`).
+(`policy.inference.complete`). With a `lease`, each action checks it before its booking and
+again before its effect (`control.lease`): a control plane that lost the lease stops acting.
 Must not: read the wall clock (`now` comes in), sleep, decide anything a policy decides, or do
 I/O except through its ports.
 """
@@ -39,8 +40,9 @@ from lowtide.control.inference_ports import (
     ReplicaLaunch,
     ServiceManager,
 )
+from lowtide.control.lease import LeaseGuard
 from lowtide.control.reclaimer import Reclaimer, ReclaimStore
-from lowtide.control.records import GpuBusy, ReplicaRecord, StaleState
+from lowtide.control.records import GpuBusy, ReplicaRecord, StaleState, StoreUnavailable
 from lowtide.domain.gpus import GpuRef, Node, cuda_visible_devices
 from lowtide.domain.metrics import ServiceSignals
 from lowtide.domain.services import LendingPolicy, ServiceSpec
@@ -55,6 +57,7 @@ from lowtide.policy.inference import (
     failure_move,
     settle_events,
 )
+from lowtide.policy.inference_memory import decode_memory, encode_memory
 from lowtide.policy.inference_snapshot import (
     InferenceMemory,
     InferenceSnapshot,
@@ -70,6 +73,11 @@ R = ReplicaState
 
 #: How often the learned weekly profile is saved (seconds).
 FORECAST_SAVE_EVERY_S = 600.0
+#: The `control_state` key of the decisions' memory (`policy.inference_memory`).
+MEMORY_KEY = "inference.memory"
+#: The memory is saved when a decision changed (desired, needed, a guard, a surge, an alert) and
+#: otherwise at most this often while its windows move (seconds).
+MEMORY_SAVE_EVERY_S = 5.0
 _SCRAPED = (R.SERVING, R.DRAINING)
 
 
@@ -108,6 +116,10 @@ class InferenceStore(ReclaimStore, Protocol):
     def get_value(self, key: str) -> str | None: ...
 
     def set_value(self, key: str, value: str) -> None: ...
+
+    def get_state(self, key: str) -> Any | None: ...
+
+    def put_state(self, key: str, value: Any, *, now: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -188,9 +200,12 @@ class InferenceController:
         services: tuple[ServiceSetup, ...],
         lending: LendingPolicy,
         nodes: tuple[Node, ...],
+        lease: LeaseGuard | None = None,
     ) -> None:
         self.store = store
         self.manager = manager
+        #: With several control planes on one store: act only while holding the lease (§4.4).
+        self.lease = lease
         self.sources = sources
         self.gateway = gateway
         self.services = {s.spec.name: s for s in services}
@@ -204,6 +219,8 @@ class InferenceController:
         self.last_plan: InferencePlan | None = None
         self.reclaimer = Reclaimer(store=store)
         self._saved_profiles_at = -math.inf
+        self._saved_memory_at = -math.inf
+        self._saved_memory: tuple[Any, Any] | None = None  # (decisions part, whole) last saved
         # The replica values of the last read, by the identity of the record they came from: the
         # in-memory store hands back the same record until it changes.
         self._views: dict[int, tuple[ReplicaRecord, ReplicaView]] = {}
@@ -236,6 +253,7 @@ class InferenceController:
         killed = self.manager.reap_orphans(known)
         if killed:
             log.warning("killed replica processes nobody knows: %s", killed)
+        self._load_memory(now)
         self._load_profiles()
 
     # -- the tick ------------------------------------------------------------------------------
@@ -270,6 +288,7 @@ class InferenceController:
             gpu_shares=gpu_shares(self.nodes, self._asleep(plan.replicas)),
         )
         self.last = result
+        self._save_memory(now)
         self._save_profiles(now)
         return result
 
@@ -409,6 +428,8 @@ class InferenceController:
         by_id = {r.id: r for r in replicas}
         failed = False
         for action in plan.actions:
+            if self.lease is not None and not self.lease.may_act():
+                return True  # not the leader any more: the next leader decides again
             try:
                 self._act(action, by_id, now)
             except (StaleState, GpuBusy) as exc:
@@ -420,6 +441,9 @@ class InferenceController:
         return failed
 
     def _act(self, action: ReplicaAction, replicas: Mapping[str, ReplicaView], now: float) -> None:
+        """Book the action in the store (fenced), then carry it out; the lease is checked before
+        both, so a control plane that lost it neither books nor acts."""
+        self._check_lease()
         setup = self.services[action.service]
         slot = int(action.replica_id.rsplit("/", 1)[1])
         rec = replicas.get(action.replica_id)
@@ -436,6 +460,7 @@ class InferenceController:
                 now=now,
                 reason=action.reason,
             )
+            self._check_lease()
             if action.kind == "wake":
                 self.manager.unpark(action.replica_id, now)
             else:
@@ -446,6 +471,7 @@ class InferenceController:
             # Hung (policy.inference.hung_replicas): out of routing first, then the process ends.
             self._book(failure_move(rec, now, action.reason))
             log.warning("replica %s: %s; killing and restarting it", rec.id, action.reason)
+            self._check_lease()
             if isinstance(self.manager, KillsReplicas):
                 self.manager.kill(rec.id, now, action.reason)
             else:
@@ -456,7 +482,12 @@ class InferenceController:
             self.store.move_replica(rec.id, R.DRAINING, R.SERVING, now=now, message=action.reason)
         elif action.kind == "park":
             self.store.move_replica(rec.id, R.DRAINING, R.PARKING, now=now, message=action.reason)
+            self._check_lease()
             self.manager.park(rec.id, action.park_as or setup.spec.park, now)
+
+    def _check_lease(self) -> None:
+        if self.lease is not None:
+            self.lease.check()
 
     def _launch(self, setup: ServiceSetup, slot: int, node: str, gpus: tuple[int, ...]) -> ReplicaLaunch:
         rid = f"{setup.spec.name}/{slot}"
@@ -492,6 +523,55 @@ class InferenceController:
                 failed = True
                 log.exception("telling the gateway the replicas of %s failed", name)
         return failed
+
+    # -- the memory across restarts (docs/architecture.md §4.4) ----------------------------------
+
+    def _load_memory(self, now: float) -> None:
+        """Start from the memory an earlier control plane saved (autoscaler windows, guards, surge
+        times, alerts), so a restart neither forgets a surge nor restarts the stabilisation."""
+        try:
+            document = self.store.get_state(MEMORY_KEY)
+        except Exception:
+            log.exception("reading the saved inference memory failed; starting afresh")
+            return
+        if document is None:
+            return
+        self.memory = decode_memory(document, self.memory, tuple(self.services), now)
+        restored = {n: s.desired for n, s in self.memory.scale_states.items() if s.desired is not None}
+        if restored:
+            log.info("restored the autoscaler's memory: desired %s", restored)
+
+    def _save_memory(self, now: float) -> None:
+        memory = self.memory
+        decisions = {
+            name: (
+                state.desired,
+                state.needed,
+                state.down_from,
+                state.flap_guard,
+                state.panic_at,
+                memory.surge_at.get(name),
+                memory.alerts.get(name, ""),
+            )
+            for name, state in memory.scale_states.items()
+        }
+        last = self._saved_memory
+        if last is not None and last[0] == decisions and now - self._saved_memory_at < MEMORY_SAVE_EVERY_S:
+            return  # the cheap test first: the simulator ticks millions of times
+        document = encode_memory(memory, now)
+        if last is not None and last[1] == document["services"]:
+            self._saved_memory_at = now
+            return
+        try:
+            self.store.put_state(MEMORY_KEY, document, now=now)
+        except StoreUnavailable as exc:  # an outage: the loop already says so, once
+            log.debug("saving the inference memory failed (%s); the next tick tries again", exc)
+            return
+        except Exception:
+            log.exception("saving the inference memory failed; the next tick tries again")
+            return
+        self._saved_memory = (decisions, document["services"])
+        self._saved_memory_at = now
 
     # -- the forecast profile ------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Ports of the inference side: metrics sources, the service manager and the gateway.
 
 Implemented by `adapters.metrics_sources` (direct scrape or PromQL), `adapters.local_services`
-(local vLLM / emulator processes; a Kubernetes scaler later) and `adapters.gateway`. The loop
+(local vLLM / emulator processes; a Kubernetes scaler later) and `adapters.gateway_supervisor`
+(the gateway process; `adapters.gateway_router` in-process). The loop
 owns every decision; these only observe and carry out. Errors are classified at their edge:
 a metrics failure becomes a stale/unknown signal, never an exception out of `collect`.
 Must not: contain implementations or decide anything.

@@ -12,8 +12,18 @@ With inference services, `control.inference` runs inside the tick before the ste
 says which GPUs research may use (the lending envelope); everything else is unavailable to steps.
 
 Every item is handled on its own: one failing exit, notice or start is logged and costs that
-item only, never the tick. `recover()` runs once at start-up and re-adopts what an earlier
-control-plane process left running. Must not: read the wall clock (use `clock`), sleep inside a
+item only, never the tick. Store outages (docs/architecture.md §4.4): an exit is acknowledged to
+the executor only once the store has it (the executor re-reports it every tick until then), a
+failed launch or lost attempt the store could not record is retried every tick, and a tick that
+met `StoreUnavailable` is reported (`TickReport.store_unavailable`) so that `run` ticks again
+soon (0.5 s, doubling to 5 s) instead of logging every failure. A launch that failed because of
+the infrastructure (`ExecutorError.infrastructure`) uses no retry of the step, backs off
+(growing), and raises an alert (`infrastructure_alerts`) until a launch succeeds.
+`recover()` runs once at start-up and re-adopts what an earlier control-plane process left
+running. With a `lease` (several control planes on one store) nothing acts unless this one holds
+it: a tick does nothing, and each launch and notice checks it just before the effect
+(`control.lease`; the store refuses a stale leader's writes by its fencing token).
+Must not: read the wall clock (use `clock`), sleep inside a
 tick, or touch SQL, processes or files except through its ports.
 """
 
@@ -27,6 +37,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+from lowtide.control.checkpoint_check import choose_for_launch, resume_crash_decision
 from lowtide.control.clock import Clock
 from lowtide.control.contract import parse_checkpoint_label, step_environment
 from lowtide.control.executor_port import (
@@ -41,20 +52,25 @@ from lowtide.control.executor_port import (
     RunAs,
 )
 from lowtide.control.inference import InferenceController, InferenceTick
+from lowtide.control.lease import LeaseGuard
 from lowtide.control.ports import ArtifactPort, StorePort
 from lowtide.control.records import (
     AttemptLaunch,
     AttemptRecord,
     ExitContext,
+    FencedOut,
     GpuBusy,
+    NotFound,
     NoticeDue,
     StaleState,
+    StoreUnavailable,
 )
 from lowtide.control.secrets_port import SecretResolver
 from lowtide.domain.gpus import GpuRef, Node
 from lowtide.domain.layout import ArtifactLayout, is_remote, join_uri
 from lowtide.domain.states import AttemptState, StepState
 from lowtide.policy import walltime
+from lowtide.policy.checkpoints import RESUME_CRASH_WINDOW_S
 from lowtide.policy.dag import advance
 from lowtide.policy.lending import GpuShare, step_gpu_share
 from lowtide.policy.outcomes import (
@@ -75,6 +91,9 @@ FULL_DAG_SWEEP_S = 60.0
 #: The shortest time between the end of a tick and a tick that `wake()` brought forward.
 MIN_WAKE_GAP_S = 0.05
 LATEST_MAX_BYTES = 4096
+#: While the store is unavailable the next tick comes after this, doubling per tick, up to the max.
+STORE_RETRY_S = 0.5
+STORE_RETRY_MAX_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -88,6 +107,9 @@ class LoopSettings:
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     #: Walltime of steps whose spec sets no `timeout` (config `scheduler.default_step_timeout`).
     default_step_timeout_s: float | None = None
+    #: A resumed attempt failing on its own this soon, before a new checkpoint, crashed on its
+    #: checkpoint: the next resumes from the one before (`policy.checkpoints`; 0: never).
+    resume_crash_window_s: float = RESUME_CRASH_WINDOW_S
     #: `executor.run_as` resolved by wiring: each job's steps run as their own uid (§6.4).
     job_users: JobUsers | None = None
 
@@ -107,6 +129,29 @@ class TickReport:
     #: a waiting scale-down, a window edge (None: nothing pending). Observation (metrics, exits)
     #: is paced by the caller; see docs/architecture.md §4.
     next_due: float | None = None
+    #: The store was unavailable for part of this tick: what it could not record is retried.
+    store_unavailable: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class InfrastructureAlert:
+    """Launches fail because of the machinery, not the steps (an operator must look)."""
+
+    kind: str  # "storage", "permissions", "disk full", "runtime", "secrets", "store"
+    message: str  # the last failure
+    since: float  # control time of the first failure since the last successful launch
+    failures: int
+
+
+@dataclass(frozen=True, slots=True)
+class _LaunchFailure:
+    """A failed launch the store has not recorded yet (retried every tick)."""
+
+    launch: AttemptLaunch
+    message: str
+    temporary: bool
+    infrastructure: str | None
+    at: float
 
 
 @dataclass(frozen=True)
@@ -128,8 +173,11 @@ class ControlLoop:
         settings: LoopSettings,
         inference: InferenceController | None = None,
         secrets: SecretResolver | None = None,
+        lease: LeaseGuard | None = None,
     ) -> None:
         self.store = store
+        #: With several control planes on one store: act only while holding the lease (§4.4).
+        self.lease = lease
         #: Reads the values of an attempt's secrets at launch (docs/architecture.md §11).
         self.secrets = secrets
         self.executor = executor
@@ -152,6 +200,15 @@ class ControlLoop:
         self._gpu_shares: Mapping[GpuRef, GpuShare] = {}
         self._ticks = 0
         self.errors_total = 0
+        # Durable against store outages (§4.4): what could not be recorded yet, retried each tick.
+        self._unrecorded_launches: dict[int, _LaunchFailure] = {}
+        self._unrecorded_lost: dict[int, float] = {}
+        self._exit_failing: set[int] = set()  # exits whose recording failed (logged once)
+        self._store_down_ticks = 0
+        # Infrastructure launch failures: per step in a row (backoff), alerts and totals by kind.
+        self._infra_streak: dict[tuple[str, str], int] = {}
+        self.infrastructure_alerts: dict[str, InfrastructureAlert] = {}
+        self.infrastructure_failures_total: dict[str, int] = {}
         self._wake = threading.Event()
         self.last_tick: TickReport | None = None
         self.last_plan: SchedulePlan = SchedulePlan()
@@ -188,10 +245,12 @@ class ControlLoop:
                         self.store.set_attempt_process(att.id, result.identity)
                 elif result.outcome == AdoptOutcome.EXITED and result.exit is not None:
                     exited.append(att.id)
-                    self._on_exit(result.exit)
+                    # Unrecorded (a store outage): the executor re-reports it at every poll.
+                    self._record_exit(result.exit, now, TickReport(at=now))
                 else:
                     lost.append(att.id)
-                    self._on_lost(att.id, now)
+                    self._unrecorded_lost[att.id] = now
+                    self._record_lost(att.id, now, TickReport(at=now))
             except Exception:
                 log.exception("recovery of attempt %s failed; will retry at next start", att.id)
         if self.inference is not None:
@@ -210,23 +269,35 @@ class ControlLoop:
     def tick(self) -> TickReport:
         now = self.clock.now()
         report = TickReport(at=now)
+        if not self._acting():  # a standby, or a leader past its deadline: nothing may act
+            return report
 
+        # What an earlier tick could not record (the store was unavailable) goes first.
+        # Once the store has failed this tick, later writes are left to the next tick: each
+        # could wait out a lock (SQLite's busy timeout) and stall the tick.
+        for failure in list(self._unrecorded_launches.values()):
+            if not report.store_unavailable:
+                self._record_launch_failure(failure, report)
+        for attempt_id, lost_at in list(self._unrecorded_lost.items()):
+            if not report.store_unavailable:
+                self._record_lost(attempt_id, lost_at, report)
         exits: list[AttemptExit] = self._guard(report, "executor poll", lambda: self.executor.poll(now), [])
-        for ex in exits:
-            report.exits += 1
-            try:
-                self._on_exit(ex)
-            except Exception:
-                report.errors += 1
-                log.exception("handling the exit of attempt %s failed", ex.attempt_id)
+        for ex in exits:  # an exit not recorded now is reported again by the next poll
+            if not report.store_unavailable and self._record_exit(ex, now, report):
+                report.exits += 1
 
         active: list[AttemptRecord] = self._guard(report, "active attempts", self.store.active_attempts, [])
         self._guard(report, "checkpoint poll", lambda: self._poll_checkpoints(now, active), None)
         self._guard(report, "DAG advance", lambda: self._advance_dirty(now), None)
 
-        snapshot = self.store.snapshot(
-            now=now, nodes=self.settings.nodes, half_life_s=self.settings.scheduler.fair_share.half_life_s
-        )
+        try:
+            snapshot = self.store.snapshot(
+                now=now, nodes=self.settings.nodes, half_life_s=self.settings.scheduler.fair_share.half_life_s
+            )
+        except StoreUnavailable:  # nothing to decide on: the next tick (soon) tries again
+            report.errors += 1
+            report.store_unavailable = True
+            return self._end_tick(report, now)
         due_times = [q.eligible_at for q in snapshot.queued if q.eligible_at > now]
         inference: InferenceTick | None = None
         if self.inference is not None:
@@ -253,9 +324,14 @@ class ControlLoop:
         # Notice to steps being cancelled or preempted (the inference side may just have asked).
         dues: list[NoticeDue] = self._guard(report, "notices", self.store.notices_due, [])
         for due in dues:
+            if report.store_unavailable or not self._acting():
+                break  # still due next tick
             try:
                 self._give_notice(due.attempt_id, due.grace_seconds, due.step_state, now)
                 report.notices += 1
+            except StoreUnavailable:  # notice was sent; the record is retried next tick
+                report.errors += 1
+                report.store_unavailable = True
             except Exception:
                 report.errors += 1
                 log.exception("giving notice to attempt %s failed", due.attempt_id)
@@ -271,9 +347,14 @@ class ControlLoop:
         self.last_plan = plan
         self._start_deadlines = []
         for start in plan.starts:
+            if report.store_unavailable or not self._acting():
+                break  # nothing can be booked now; the next tick decides again
             try:
                 if self._start(start, now):
                     report.started += 1
+            except StoreUnavailable:
+                report.errors += 1
+                report.store_unavailable = True
             except Exception:
                 report.errors += 1
                 log.exception("starting %s/%s failed", start.job_id, start.step)
@@ -284,12 +365,25 @@ class ControlLoop:
         # launch failure whose job is advanced next tick, a drain) asks for another tick soon.
         report.active = report.active or bool(report.errors or self._dirty_jobs)
         report.next_due = min(due_times, default=None)
+        return self._end_tick(report, now)
 
+    def _end_tick(self, report: TickReport, now: float) -> TickReport:
+        if report.store_unavailable:
+            report.active = True
+            self._store_down_ticks += 1
+        else:
+            self._store_down_ticks = 0
         self._ticks += 1
         self.errors_total += report.errors
         report.duration_s = max(0.0, self.clock.now() - now)
         self.last_tick = report
         return report
+
+    def store_retry_s(self) -> float | None:
+        """How soon to tick again while the store is unavailable (None: it is not)."""
+        if self._store_down_ticks == 0:
+            return None
+        return min(STORE_RETRY_MAX_S, STORE_RETRY_S * 2.0 ** min(16, self._store_down_ticks - 1))
 
     def run(self, stop: threading.Event, tick_seconds: float) -> None:
         """Tick until `stop` is set; `wake()` makes the next tick come soon.
@@ -306,8 +400,10 @@ class ControlLoop:
             except Exception:
                 log.exception("tick failed; the loop goes on")
             ended = time.monotonic()
-            self._wake.wait(tick_seconds)
-            rest = min(tick_seconds, max(MIN_WAKE_GAP_S, ended - started)) - (time.monotonic() - ended)
+            retry = self.store_retry_s()
+            wait_s = tick_seconds if retry is None else min(tick_seconds, retry)
+            self._wake.wait(wait_s)
+            rest = min(wait_s, max(MIN_WAKE_GAP_S, ended - started)) - (time.monotonic() - ended)
             if rest > 0:
                 stop.wait(rest)
             self._wake.clear()
@@ -321,8 +417,42 @@ class ControlLoop:
 
     # -- observe -------------------------------------------------------------------------------
 
-    def _on_exit(self, ex: AttemptExit) -> None:
+    def _record_exit(self, ex: AttemptExit, now: float, report: TickReport) -> bool:
+        """Record an exit and acknowledge it to the executor; False when the store could not
+        (the executor reports it again next tick). An exit of an attempt the store does not
+        know is acknowledged (there is nothing to record it on)."""
+        try:
+            self._on_exit(ex, now)
+        except NotFound as exc:
+            log.warning("exit of attempt %s not recorded: %s", ex.attempt_id, exc)
+        except StoreUnavailable:
+            report.errors += 1
+            report.store_unavailable = True
+            return False
+        except Exception:
+            report.errors += 1
+            if ex.attempt_id not in self._exit_failing:  # once, not at every tick's retry
+                self._exit_failing.add(ex.attempt_id)
+                log.exception("handling the exit of attempt %s failed; retrying every tick", ex.attempt_id)
+            return False
+        self._exit_failing.discard(ex.attempt_id)
+        self.executor.ack_exit(ex.attempt_id)
+        return True
+
+    def _control_time(self, ex: AttemptExit, ctx: ExitContext, now: float) -> float:
+        """The exit's end in control time: a shim's wall-clock time converted with the clock
+        port, then clamped between the attempt's start and now (a clock jump cannot make an
+        attempt end before it started, or in the future)."""
+        ended = ex.ended_at
+        if ex.wall_clock:
+            ended -= self.clock.wall() - self.clock.now()
+        if ctx.started_at is not None:
+            ended = max(ended, ctx.started_at)
+        return min(ended, now)
+
+    def _on_exit(self, ex: AttemptExit, now: float) -> None:
         ctx = self.store.exit_context(ex.attempt_id)
+        ex = replace(ex, ended_at=self._control_time(ex, ctx, now), wall_clock=False)
         self._read_latest(ctx, ex.ended_at)
         timed_out = self._walltime_verdict(ctx, ex.ended_at)
         for _ in range(3):
@@ -341,6 +471,7 @@ class ControlLoop:
                 infrastructure=ex.infrastructure,
                 timed_out=timed_out,
             )
+            decision = self._resume_crash(ctx, ex, timed_out is not None) or decision
             if self._finish(ctx, decision, ex):
                 break
             ctx = self.store.exit_context(ex.attempt_id)  # someone moved the step: decide again
@@ -348,6 +479,23 @@ class ControlLoop:
         self._checkpoint_polled.pop(ex.attempt_id, None)
         self._bad_latest.pop(ex.attempt_id, None)
         self._budgets.pop(ex.attempt_id, None)
+
+    def _record_lost(self, attempt_id: int, now: float, report: TickReport) -> None:
+        """Record an attempt lost while the control plane was down (retried every tick until
+        the store has it)."""
+        try:
+            self._on_lost(attempt_id, now)
+        except StoreUnavailable:
+            report.errors += 1
+            report.store_unavailable = True
+            return
+        except NotFound:
+            pass
+        except Exception:
+            report.errors += 1
+            log.exception("recording the loss of attempt %s failed; retrying every tick", attempt_id)
+            return
+        self._unrecorded_lost.pop(attempt_id, None)
 
     def _on_lost(self, attempt_id: int, now: float) -> None:
         ctx = self.store.exit_context(attempt_id)
@@ -381,6 +529,8 @@ class ControlLoop:
         reason = "job cancelled" if step_state == StepState.CANCELLING else "GPUs reclaimed"
         deadline = now + grace
         # Notice first, then the record: a crash in between re-sends notice, never kills unwarned.
+        # The lease is checked just before (a stale leader's record would be refused too late).
+        self._check_lease()
         self.executor.notify_stop(attempt_id, deadline, now)
         self.store.mark_stopping(
             attempt_id, deadline=deadline, reason=f"{reason}: notice given, deadline in {grace:g}s", now=now
@@ -399,6 +549,9 @@ class ControlLoop:
                 continue
             try:
                 budgets.append(self._budget(att))
+            except StoreUnavailable:
+                report.errors += 1
+                report.store_unavailable = True
             except Exception:
                 report.errors += 1
                 log.exception("reading the walltime of attempt %s failed", att.id)
@@ -407,9 +560,14 @@ class ControlLoop:
         self._budgets = {k: v for k, v in self._budgets.items() if k in live}
         self._job_timeouts = {k: v for k, v in self._job_timeouts.items() if k in steps}
         for budget in walltime.overdue(budgets, now):
+            if report.store_unavailable:
+                break  # still overdue next tick
             try:
                 if self._give_timeout_notice(budget, now):
                     report.notices += 1
+            except StoreUnavailable:
+                report.errors += 1
+                report.store_unavailable = True
             except Exception:
                 report.errors += 1
                 log.exception("giving timeout notice to attempt %s failed", budget.attempt_id)
@@ -419,6 +577,7 @@ class ControlLoop:
         att_id = budget.attempt_id
         deadline = now + budget.grace_s
         # Notice first, then the record (as `_give_notice`): a crash in between re-sends notice.
+        self._check_lease()
         self.executor.notify_stop(budget.attempt_id, deadline, now)
         try:
             self.store.mark_stopping(
@@ -495,13 +654,31 @@ class ControlLoop:
                 continue
             try:
                 self._read_latest_for(att.id, att.job_id, att.step_name, ckpt_dir, now)
+            except StoreUnavailable:
+                self._checkpoint_polled.pop(att.id, None)  # read again once the store works
+                raise
             except Exception:
                 log.exception("reading LATEST of attempt %s failed", att.id)
+
+    def _resume_crash(self, ctx: ExitContext, ex: AttemptExit, timed_out: bool) -> ExitDecision | None:
+        """`checkpoint_check.resume_crash_decision`; a store outage is raised (the exit is retried
+        whole), any other failure to find out costs only the fallback."""
+        try:
+            return resume_crash_decision(
+                self.store, ctx, ex, timed_out=timed_out, window_s=self.settings.resume_crash_window_s
+            )
+        except StoreUnavailable:
+            raise
+        except Exception:
+            log.exception("checking attempt %s for a crash on resume failed", ctx.attempt_id)
+            return None
 
     def _read_latest(self, ctx: ExitContext, now: float) -> None:
         if ctx.checkpoint_dir:
             try:
                 self._read_latest_for(ctx.attempt_id, ctx.job_id, ctx.step, ctx.checkpoint_dir, now)
+            except StoreUnavailable:
+                raise  # the whole exit is retried next tick, its last checkpoint with it
             except Exception:
                 log.exception("reading LATEST of attempt %s failed", ctx.attempt_id)
 
@@ -549,6 +726,7 @@ class ControlLoop:
     # -- act -----------------------------------------------------------------------------------
 
     def _start(self, start: StartStep, now: float) -> bool:
+        self._check_lease()  # then the booking (fenced in the store), then the launch
         try:
             launch = self.store.begin_attempt(
                 job_id=start.job_id,
@@ -565,14 +743,21 @@ class ControlLoop:
         self._reasons.pop((start.job_id, start.step), None)
         try:
             request = self._launch_request(launch, now)
+            self._check_lease()
             identity = self.executor.launch(request, now)
         except ExecutorError as exc:
-            self._launch_failed(launch, str(exc), exc.temporary, now)
+            self._launch_failed(launch, str(exc), exc.temporary, now, exc.infrastructure)
             return False
+        except StoreUnavailable as exc:  # the store failed while preparing the launch
+            self._launch_failed(launch, exc.reason, True, now, "store")
+            return False
+        except FencedOut:  # not the leader any more: the next leader finds the booking LOST
+            raise
         except Exception as exc:  # an unclassified error: treat as permanent, but keep the loop
             log.exception("launch of %s/%s failed", launch.job_id, launch.step)
             self._launch_failed(launch, f"{type(exc).__name__}: {exc}", False, now)
             return False
+        self._launch_succeeded(launch)
         self.store.set_attempt_process(launch.attempt_id, identity)
         try:  # its walltime deadline joins this tick's `next_due` (the scan sees it from next tick)
             budget = self._make_budget(
@@ -598,7 +783,13 @@ class ControlLoop:
         )
         for uri in (resolved.outputs, resolved.checkpoint_dir):
             if uri and not private:
-                self.artifacts.ensure_dir(uri)
+                try:
+                    self.artifacts.ensure_dir(uri)
+                except OSError as exc:  # lowtide's artifact storage, not the step
+                    kind = "permissions" if isinstance(exc, PermissionError) else "storage"
+                    raise ExecutorError(
+                        f"cannot create {uri}: {exc}", temporary=True, infrastructure=kind
+                    ) from exc
         _, token = self.store.create_token(
             name=f"{launch.job_id}/{launch.step}#{launch.number}",
             owner=f"step:{launch.job_id}",
@@ -617,7 +808,7 @@ class ControlLoop:
             params=launch.params,
             grace_seconds=grace,
             notice_path=notice,
-            last_checkpoint=launch.last_checkpoint,
+            last_checkpoint=choose_for_launch(self.store, self.artifacts, launch, now),
             api_url=self.settings.api_url,
             step_token=token,
             storage_options=self.settings.storage_options,
@@ -668,19 +859,80 @@ class ControlLoop:
             raise ExecutorError("this lowtide has no secrets configured (config secrets:)", temporary=False)
         return self.secrets.environment(uses)
 
-    def _launch_failed(self, launch: AttemptLaunch, message: str, temporary: bool, now: float) -> None:
-        ctx = self.store.exit_context(launch.attempt_id)
-        decision = classify_launch_failure(
-            step_state=ctx.step_state,
-            message=message,
-            temporary=temporary,
-            retries_used=ctx.retries_used,
-            max_retries=ctx.max_retries,
-            now=now,
-            retry=self.settings.retry,
-        )
-        self._finish(ctx, decision, AttemptExit(launch.attempt_id, None, None, now))
+    def _launch_failed(
+        self,
+        launch: AttemptLaunch,
+        message: str,
+        temporary: bool,
+        now: float,
+        infrastructure: str | None = None,
+    ) -> None:
+        """Roll a failed launch forward as an attempt that ended; an infrastructure failure
+        also raises its alert. Kept and retried every tick while the store cannot record it."""
+        if infrastructure is not None:
+            self._infrastructure_failed(infrastructure, message, now)
+        failure = _LaunchFailure(launch, message, temporary, infrastructure, now)
+        self._unrecorded_launches[launch.attempt_id] = failure
+        report = TickReport(at=now)
+        self._record_launch_failure(failure, report)
+        if report.store_unavailable:
+            raise StoreUnavailable(f"the failed launch of attempt {launch.attempt_id} is not recorded yet")
+
+    def _record_launch_failure(self, failure: _LaunchFailure, report: TickReport) -> None:
+        launch = failure.launch
+        key = (launch.job_id, launch.step)
+        try:
+            ctx = self.store.exit_context(launch.attempt_id)
+            decision = classify_launch_failure(
+                step_state=ctx.step_state,
+                message=failure.message,
+                temporary=failure.temporary,
+                retries_used=ctx.retries_used,
+                max_retries=ctx.max_retries,
+                now=failure.at,
+                retry=self.settings.retry,
+                infrastructure=failure.infrastructure,
+                infrastructure_failures=self._infra_streak.get(key, 0),
+            )
+            finished = self._finish(ctx, decision, AttemptExit(launch.attempt_id, None, None, failure.at))
+            if finished and failure.infrastructure is not None:
+                self._infra_streak[key] = self._infra_streak.get(key, 0) + 1
+                self.store.add_event(
+                    launch.job_id,
+                    launch.step,
+                    launch.attempt_id,
+                    at=failure.at,
+                    kind="infrastructure_failure",
+                    message=decision.message,
+                )
+        except StoreUnavailable:
+            report.errors += 1
+            report.store_unavailable = True
+            return
+        except NotFound:
+            pass
+        except Exception:
+            report.errors += 1
+            log.exception("recording the failed launch of attempt %s failed", launch.attempt_id)
+        self._unrecorded_launches.pop(launch.attempt_id, None)
         self._dirty_jobs.add(launch.job_id)
+
+    def _infrastructure_failed(self, kind: str, message: str, now: float) -> None:
+        known = self.infrastructure_alerts.get(kind)
+        if known is None:
+            log.error("infrastructure failure (%s): %s; steps wait, no retry used", kind, message)
+        self.infrastructure_alerts[kind] = InfrastructureAlert(
+            kind, message, known.since if known else now, (known.failures if known else 0) + 1
+        )
+        self.infrastructure_failures_total[kind] = self.infrastructure_failures_total.get(kind, 0) + 1
+
+    def _launch_succeeded(self, launch: AttemptLaunch) -> None:
+        """A launch worked: the machinery works again, so its alerts clear."""
+        self._infra_streak.pop((launch.job_id, launch.step), None)
+        if self.infrastructure_alerts:
+            kinds = ", ".join(self.infrastructure_alerts)
+            log.warning("a launch succeeded; clearing infrastructure alerts: %s", kinds)
+            self.infrastructure_alerts = {}
 
     def _write_reasons(self, plan: SchedulePlan) -> None:
         changed = {
@@ -697,12 +949,24 @@ class ControlLoop:
 
     # -- helpers -------------------------------------------------------------------------------
 
+    def _acting(self) -> bool:
+        return self.lease is None or self.lease.may_act()
+
+    def _check_lease(self) -> None:
+        """Raise FencedOut unless this control plane holds the lease (no lease: it always acts)."""
+        if self.lease is not None:
+            self.lease.check()
+
     def _notice_path(self, job_id: str, step: str, number: int) -> str:
         return self.settings.layout.notice_file(job_id, step, number)
 
     def _guard(self, report: TickReport, what: str, fn: Callable[[], _T], default: _T) -> _T:
         try:
             return fn()
+        except StoreUnavailable:  # logged once per outage by the store; the next tick retries
+            report.errors += 1
+            report.store_unavailable = True
+            return default
         except Exception:
             report.errors += 1
             log.exception("%s failed; the tick goes on", what)

@@ -6,11 +6,19 @@ under the artifact root (local or fsspec). Must not: contain implementations.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Protocol
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
 
 from lowtide.control.executor_port import ProcessIdentity
-from lowtide.control.records import AttemptLaunch, AttemptRecord, ExitContext, NoticeDue, TokenRecord
+from lowtide.control.records import (
+    AttemptLaunch,
+    AttemptRecord,
+    CheckpointRecord,
+    ExitContext,
+    NoticeDue,
+    TokenRecord,
+)
 from lowtide.domain.gpus import Node
 from lowtide.domain.layout import ArtifactLayout
 from lowtide.policy.dag import DagChanges, JobView
@@ -77,9 +85,44 @@ class StorePort(Protocol):
         self, job_id: str, step: str | None, attempt_id: int | None, *, at: float, kind: str, message: str
     ) -> None: ...
 
+    def step_checkpoints(self, job_id: str, step: str) -> list[CheckpointRecord]:
+        """Every checkpoint the step reported, in the order reported."""
+        ...
+
+    def record_resume(
+        self,
+        attempt_id: int,
+        *,
+        resume_from: str | None,
+        fingerprint: str | None,
+        skipped: Sequence[tuple[str, str]],
+        now: float,
+    ) -> None:
+        """Record where the attempt resumes (its record's ``resume_from``, ``resume_fingerprint``)
+        and one ``checkpoint_invalid`` event per skipped checkpoint: (label, message)."""
+        ...
+
+    def mark_checkpoint_bad(
+        self, attempt_id: int, *, label: str, fingerprint: str | None, message: str, now: float
+    ) -> None:
+        """Record with the attempt that it crashed on resuming from `label` (its record's
+        ``bad_checkpoint``) and a ``checkpoint_bad`` event."""
+        ...
+
     def create_token(
         self, *, name: str, owner: str, role: str, now: float, attempt_id: int | None = None
     ) -> tuple[TokenRecord, str]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PathStat:
+    """What is at a path: a regular file (with its size), a directory, something else ("other":
+    a symbolic link, a FIFO; lowtide does not follow links in a step's directory), or "unknown"
+    (the port cannot see files at all). `modified`: seconds since the epoch, when known."""
+
+    kind: Literal["file", "dir", "other", "unknown"]
+    size: int | None = None
+    modified: float | None = None
 
 
 class ArtifactPort(Protocol):
@@ -90,4 +133,13 @@ class ArtifactPort(Protocol):
     def read_text(self, uri: str, *, max_bytes: int) -> str | None:
         """The file's text, or None if it does not exist. Raises ValueError if it is larger than
         `max_bytes` or not UTF-8, OSError for storage errors."""
+        ...
+
+    def stat(self, uri: str) -> PathStat | None:
+        """What is at `uri` (None: nothing). Raises OSError for storage errors."""
+        ...
+
+    def sha256(self, uri: str, *, max_bytes: int) -> str | None:
+        """The hex sha256 of a regular file, or None if it is larger than `max_bytes` (or gone).
+        Raises ValueError if it is not a regular file, OSError for storage errors."""
         ...

@@ -32,6 +32,33 @@ class GpuBusy(StoreError):
     """A GPU to be booked is already held by another holder (a double booking was prevented)."""
 
 
+class StoreUnavailable(StoreError):
+    """The store cannot be read or written now, for a reason that may pass (a lock, a full disk,
+    a lost connection): the caller retries later (docs/architecture.md §4.4). `reason` is one
+    line naming the cause; the SQL store classifies at its edge (`store.errors`)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class FencedOut(StoreError):
+    """This control plane does not hold the lease any more (another took it over, or its own
+    acting deadline passed): the write was refused and rolled back, and nothing may act on it
+    (`control.lease`). Not an outage of the store (the database answered); to an API client it
+    is a 503 to retry (the next write goes unfenced once this control plane is a standby)."""
+
+
+class IdempotencyConflict(StoreError):
+    """The owner already used this idempotency key for a different request (`job_id` names the
+    job that request created)."""
+
+    def __init__(self, key: str, job_id: str) -> None:
+        super().__init__(f"idempotency key {key!r} was used for another request (job {job_id})")
+        self.key = key
+        self.job_id = job_id
+
+
 @dataclass(frozen=True, slots=True)
 class NewJob:
     id: str
@@ -41,6 +68,10 @@ class NewJob:
     owner: str
     submitted_at: float
     rerun_of: str | None = None
+    #: The client's `Idempotency-Key` and the digest of its request: a second submit by the same
+    #: owner with the same key returns the first job (same digest) or `IdempotencyConflict`.
+    idempotency_key: str | None = None
+    request_digest: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +204,8 @@ class ExitContext:
     last_checkpoint: str | None
     preemptions: int = 0
     max_preemptions: int | None = None
+    #: When the attempt started (control time): a reported end is never earlier (None: unknown).
+    started_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ class IllegalTransition(ValueError):
 class JobState(StrEnum):
     QUEUED = "QUEUED"
     RUNNING = "RUNNING"
+    CANCELLING = "CANCELLING"  # cancelled; its running steps have notice and still hold GPUs
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
@@ -77,7 +78,9 @@ JOB_LIFECYCLE: Lifecycle[JobState] = Lifecycle(
     "job",
     {
         J.QUEUED: frozenset({J.RUNNING, J.SUCCEEDED, J.FAILED, J.CANCELLED}),
-        J.RUNNING: frozenset({J.SUCCEEDED, J.FAILED, J.CANCELLED}),
+        # A cancel with steps still holding GPUs: CANCELLING until every one has exited.
+        J.RUNNING: frozenset({J.SUCCEEDED, J.FAILED, J.CANCELLING, J.CANCELLED}),
+        J.CANCELLING: frozenset({J.CANCELLED}),
         J.SUCCEEDED: frozenset(),
         J.FAILED: frozenset(),
         J.CANCELLED: frozenset(),

@@ -317,9 +317,13 @@ class Emulator:
         except ValueError as exc:
             return self._error(400, str(exc), "tags")
         self.driver.kick()
-        delay = back_at - self.clock()
-        if delay > 0:
-            await asyncio.sleep(delay)
+        # Until the clock has reached the wake's end: an event loop's timer may fire a little early
+        # (uvloop keeps timers in whole milliseconds), and then the engine would still be waking.
+        for _ in range(3):  # a timer early twice in a row would be odd; three is plenty
+            delay = back_at - self.clock()
+            if delay <= 0:
+                break
+            await asyncio.sleep(delay + 0.001)
         self.engine.advance()
         self.driver.kick()
         status = "sleeping" if self.engine.is_sleeping else "awake"

@@ -3,9 +3,11 @@
 It fits a linear model with mini-batch SGD. The batch for step k is chosen from k alone, so an
 interrupted run that resumes from its checkpoint ends with exactly the same weights as an
 uninterrupted one. On SIGTERM (lowtide's notice) it finishes the current step, writes a
-checkpoint to $LOWTIDE_CHECKPOINT_DIR, records it in LATEST, and exits 143 (non-zero:
-"interrupted", never "done"). It also checkpoints every --checkpoint-every steps. On start it
-resumes from $LOWTIDE_RESUME_FROM (or LATEST) when there is one.
+checkpoint to $LOWTIDE_CHECKPOINT_DIR, then its manifest (`<label>.manifest.json`: size and
+sha256 of the file, docs/architecture.md §6.2), then names it in LATEST, and exits 143
+(non-zero: "interrupted", never "done"). It also checkpoints every --checkpoint-every steps. On
+start it resumes from $LOWTIDE_RESUME_FROM, which lowtide sets only to a checkpoint it verified
+(run by hand, without lowtide, it reads LATEST itself).
 
 Usage: python -m lowtide.examples.train --data DIR --out DIR [--steps 200] [--lr 0.05] [--step-seconds 0.01]
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -65,7 +68,14 @@ def sgd_step(w: list[float], rows: list[list[float]], idx: list[int], lr: float)
 
 def save_checkpoint(ckpt_dir: str, state: dict[str, Any]) -> str:
     label = f"step-{state['step']:06d}.json"
-    write_json(join(ckpt_dir, label), state)
+    data = json.dumps(state, indent=2, sort_keys=True)
+    write_text(join(ckpt_dir, label), data)
+    raw = data.encode("utf-8")
+    manifest = {
+        "format": "lowtide-checkpoint-manifest/1",
+        "files": [{"path": label, "size": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}],
+    }
+    write_json(join(ckpt_dir, label + ".manifest.json"), manifest)  # after the files it lists
     write_text(join(ckpt_dir, "LATEST"), label + "\n")  # written last: LATEST never names a partial file
     report(label, f"step {state['step']}")
     return label
@@ -89,7 +99,7 @@ def report(label: str, progress: str) -> None:
 
 def resume_point(ckpt_dir: str | None) -> dict[str, Any] | None:
     source = os.environ.get("LOWTIDE_RESUME_FROM")
-    if not source and ckpt_dir:
+    if not source and ckpt_dir and not os.environ.get("LOWTIDE_JOB_ID"):  # by hand, not under lowtide
         latest = read_text(join(ckpt_dir, "LATEST"))
         if latest and latest.strip():
             source = join(ckpt_dir, latest.strip())

@@ -26,6 +26,8 @@ Rules
 - A step starts only while its job is not finished; the first start moves a QUEUED job to
   RUNNING. Attempts of a step are numbered 1, 2, ... in order.
 - A checkpoint is recorded only when its label differs from the step's latest one.
+- Where an attempt resumes, and a checkpoint it crashed on, are kept in its record
+  (``resume_from``, ``resume_fingerprint``, ``bad_checkpoint``: `with_resume`, `with_bad_checkpoint`).
 - A finished attempt's step: a preemption (the decision says so) adds one to `preemptions`; the
   stop's `stop_grace` is cleared.
 """
@@ -81,6 +83,18 @@ def checkpoint_is_new(latest_label: str | None, label: str) -> bool:
 def checkpoint_message(label: str, progress: str | None) -> str:
     detail = f" ({progress})" if progress else ""
     return f"checkpoint {label}{detail}"
+
+
+def with_resume(
+    record: Mapping[str, Any], resume_from: str | None, fingerprint: str | None
+) -> dict[str, Any]:
+    """An attempt's record once the loop chose where it resumes (`policy.checkpoints`)."""
+    return {**record, "resume_from": resume_from, "resume_fingerprint": fingerprint}
+
+
+def with_bad_checkpoint(record: Mapping[str, Any], label: str, fingerprint: str | None) -> dict[str, Any]:
+    """An attempt's record once it crashed on resuming from `label` (`policy.checkpoints`)."""
+    return {**record, "bad_checkpoint": {"label": label, "fingerprint": fingerprint}}
 
 
 # -- stopping and notice -------------------------------------------------------------------------
@@ -184,7 +198,7 @@ def running_step(
 
 def can_start(job_state: JobState) -> bool:
     """A step of a finished (or cancelled) job never starts."""
-    return job_state not in TERMINAL_JOB_STATES
+    return job_state not in TERMINAL_JOB_STATES and job_state != JobState.CANCELLING
 
 
 def job_state_on_start(job_state: JobState) -> JobState | None:

@@ -6,7 +6,8 @@ Rules (Argo's fail-fast DAG semantics):
   running ones are left to finish; the job FAILS when nothing is active any more;
 - the job SUCCEEDS when every step SUCCEEDED;
 - a cancelled job's steps that have not started are CANCELLED (running ones are stopped by the
-  loop with notice, see control.loop).
+  loop with notice, see control.loop); a CANCELLING job becomes CANCELLED once none of its steps
+  holds GPUs any more (issue 12: it showed CANCELLED while a step still held GPUs for its grace).
 Neighbours: the loop calls `advance` for jobs whose steps changed; the store applies the result
 with guarded writes. Must not: read the clock or the store.
 """
@@ -70,10 +71,14 @@ def advance(job: JobView) -> DagChanges:
     states = {s.name: s.state for s in job.steps}
     changes: list[StepChange] = []
 
-    if job.state == JobState.CANCELLED:
+    if job.state in (JobState.CANCELLED, JobState.CANCELLING):
         for s in job.steps:
             if s.state in _NOT_STARTED:
                 changes.append(StepChange(s.name, s.state, StepState.CANCELLED, "job cancelled"))
+        new = {**states, **{c.step: c.to_state for c in changes}}
+        if job.state == JobState.CANCELLING and not any(st in ACTIVE_STEP_STATES for st in new.values()):
+            done = JobChange(JobState.CANCELLING, JobState.CANCELLED, "cancelled: every step has stopped")
+            return DagChanges(job.job_id, tuple(changes), done)
         return DagChanges(job.job_id, tuple(changes))
 
     failed = [s.name for s in job.steps if s.state == StepState.FAILED]

@@ -50,14 +50,28 @@ autoscaler, so that "no fresh data → hold 0" never blocks it; the replica plan
 sleeping replica or starts one. The floor also goes into the autoscaler's history, so the new
 replica is not parked again before a stabilisation window without load has passed.
 
+Open reclaims (`reclaim_floor`): while a reclaim for a service is OPEN, the replicas it was
+opened for count in the service's target (desired ≥ its starting, waking and serving replicas +
+the named replicas not among them + the unnamed reclaims no replica has started for since their
+decision), applied after the autoscaler like the held floor. The GPUs the victims free are then
+the service's, not research's, even when the control plane restarted during the grace and its
+load or memory says less for a while (issue 12); a reclaim ends DONE or ABANDONED (900 s after
+the GPUs were freed), and with it the floor.
+
 Draining without a gateway (`ServiceRules.drain_from_metrics`): the requests still on a DRAINING
 replica are its own metrics' running + waiting (rounded up) instead of the gateway's count; with
 those unknown or stale it has not drained (1), so only the drain timeout parks it (vLLM aborts
 what is left on SIGTERM, so a drain must not be cut short on a guess).
 
-Alert: a service whose FAILED replicas, since one of its replicas last became healthy, have failed
-`FAILURES_BEFORE_ALERT` times in a row raises an alert (written once per new text) and counts as
-stale beyond `stale_after_s` for lending: no new lending from it until a replica serves again.
+Freshness (`fresh_at` in the memory, the age lending sees): now when a serving replica's
+metrics are fresh; a service with nothing to scrape keeps its last fresh time, and counts as
+fresh from the first tick only when it is idle (parked or nothing wanted, `coming_up` false):
+one still bringing replicas up has no fresh data until they serve, so nothing new is lent.
+
+Alert: a service whose replicas, since one of them last became healthy, have failed to start
+`FAILURES_BEFORE_ALERT` times in a row, all slots together (`failures_in_a_row`), raises an
+alert (written once per new text) and counts as stale beyond `stale_after_s` for lending: no new
+lending from it until a replica serves again.
 
 Next due (`InferencePlan.next_due`, docs/architecture.md §4.3): the earliest of a waiting
 scale-down's end, a FAILED replica's restart, a lending window edge, an open reclaim to abandon,
@@ -85,7 +99,7 @@ from lowtide.policy.autoscale import (
     next_decision_at,
 )
 from lowtide.policy.forecast import WeeklyProfile
-from lowtide.policy.inference_snapshot import InferenceMemory, InferenceSnapshot, ServiceRules
+from lowtide.policy.inference_snapshot import InferenceMemory, InferenceSnapshot, ReclaimFact, ServiceRules
 from lowtide.policy.lending import Envelope, ServiceLendingInput, envelope, next_lending_edge
 from lowtide.policy.reclaim_phases import ReclaimDecision, decide_reclaim
 from lowtide.policy.replicas import (
@@ -315,6 +329,38 @@ def held_floor(spec: ServiceSpec, decision: ScaleDecision, held: int, now: float
     return replace(decision, desired=desired, needed=needed, reason=reason, state=state)
 
 
+def reclaim_floor(
+    spec: ServiceSpec,
+    decision: ScaleDecision,
+    replicas: Sequence[ReplicaView],
+    reclaims: Sequence[ReclaimFact],
+    now: float,
+) -> ScaleDecision:
+    """`decision` with room for the replicas the service's OPEN reclaims are bringing back (see
+    the module docstring); unchanged when it already wants them or nothing is pending."""
+    mine = [r for r in reclaims if r.service == spec.name]
+    if not mine:
+        return decision
+    supply = [r for r in replicas if r.state in SUPPLY_REPLICA_STATES]
+    supplied = {r.id for r in supply}
+    named = {r.replica_id for r in mine if r.replica_id is not None and r.replica_id not in supplied}
+    unnamed = [r.decided_at for r in mine if r.replica_id is None]
+    pending = len(named)
+    if unnamed:
+        since = min(unnamed)
+        fresh = sum(1 for r in supply if r.since >= since and r.id not in named)
+        pending += max(0, len(unnamed) - fresh)
+    floor = min(spec.max_replicas, len(supply) + pending)
+    if pending <= 0 or decision.desired >= floor:
+        return decision
+    needed = max(decision.needed, floor - max(spec.headroom_replicas, 0), 0)
+    state = replace(
+        decision.state, history=(*decision.state.history, (now, needed)), desired=floor, needed=needed
+    )
+    reason = f"{decision.reason}; {pending} replica(s) still coming from open reclaims → {floor}"
+    return replace(decision, desired=floor, needed=needed, reason=reason, state=state)
+
+
 # -- the decision -------------------------------------------------------------------------------
 
 
@@ -428,7 +474,7 @@ def decide_services(snapshot: InferenceSnapshot) -> ScalePlan:
         fresh_at = fresh.get(name)
         if any(not s.stale for s in signals.replicas) and not signals.source_error:
             fresh_at = now
-        elif not any(r.state in _SCRAPED for r in replicas):
+        elif not any(r.state in _SCRAPED for r in replicas) and not coming_up(spec, replicas):
             fresh_at = now if fresh_at is None else fresh_at
         fresh[name] = fresh_at
         supply = ReplicaSupply(
@@ -439,6 +485,7 @@ def decide_services(snapshot: InferenceSnapshot) -> ScalePlan:
         state = scale_states.get(name) or initial_state(spec)
         decision = decide_scale(spec, signals, supply, state, now)
         decision = held_floor(spec, decision, snapshot.held.get(name, 0), now)
+        decision = reclaim_floor(spec, decision, replicas, snapshot.reclaims, now)
         scale_states[name] = decision.state
         decisions[name] = decision
         history = history_all.get(name, ())
@@ -652,12 +699,33 @@ def next_due(
 # -- the service's numbers ------------------------------------------------------------------------
 
 
+#: Replica states whose `failures` are a start streak not yet ended by becoming healthy.
+_FAILING_STATES = frozenset({R.FAILED, R.STARTING, R.WAKING})
+
+
+def coming_up(spec: ServiceSpec, replicas: Sequence[ReplicaView]) -> bool:
+    """A service with nothing to scrape that wants replicas it has not got (starting, waking,
+    failed and to be restarted, or none at all while `min_replicas` > 0): with no fresh metrics
+    since start it is not fresh (issue 12: a never-healthy service counted as fresh at start-up
+    and lent before any load data). Only an idle one (parked, or none wanted) counts as fresh."""
+    if not replicas:
+        return spec.min_replicas > 0
+    return any(r.state in (R.STARTING, R.WAKING, R.FAILED) for r in replicas)
+
+
 def failures_in_a_row(replicas: Iterable[ReplicaView]) -> int:
-    """Failed starts in a row of one service's replicas: the most failures of a FAILED replica
-    that failed since a replica of the service last became healthy (0: none)."""
+    """Failed starts in a row of one service, counted per service, not per slot (issue 12: two
+    slots failing in turn alerted only after 5): the failures of all its replicas that are
+    FAILED or being restarted after failing, changed since a replica of the service last became
+    healthy (0: none). A slot's streak that began before that moment counts whole (an alert a
+    little early: the safe side)."""
     replicas = tuple(replicas)
     healthy_since = max((r.since for r in replicas if r.state == R.SERVING), default=-math.inf)
-    return max((r.failures for r in replicas if r.state == R.FAILED and r.since > healthy_since), default=0)
+    return sum(
+        r.failures
+        for r in replicas
+        if r.state in _FAILING_STATES and r.failures > 0 and r.since > healthy_since
+    )
 
 
 def growth_per_s(history: Sequence[tuple[float, int]]) -> float | None:

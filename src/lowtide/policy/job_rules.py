@@ -67,8 +67,15 @@ def step_counts(states: Iterable[StepState | str]) -> dict[str, int]:
 
 
 def cancels(job_state: JobState) -> bool:
-    """Whether cancelling a job in this state changes anything."""
-    return job_state not in TERMINAL_JOB_STATES
+    """Whether cancelling a job in this state changes anything (not when finished, nor when a
+    cancel is already under way)."""
+    return job_state not in TERMINAL_JOB_STATES and job_state != JobState.CANCELLING
+
+
+def cancel_target(stopping: int) -> JobState:
+    """A cancelled job's state: CANCELLING while `stopping` steps still hold GPUs (they got
+    notice; `policy.dag.advance` makes it CANCELLED once every step has exited), else CANCELLED."""
+    return JobState.CANCELLING if stopping else JobState.CANCELLED
 
 
 def cancel_move(state: StepState) -> CancelMove | None:

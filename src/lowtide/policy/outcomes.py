@@ -14,6 +14,11 @@ cancellation comes before it.
 An attempt that ended because the machinery failed (`infrastructure` set: a container engine's
 exit 125, docs/architecture.md §6.4) is not the step's failure: requeued after a backoff without
 using a retry, like a temporary launch failure (unless the step was being stopped anyway).
+A launch that failed because of the infrastructure (`classify_launch_failure(infrastructure=...)`:
+lowtide's storage, permissions, disk, runtime engine, secret files or store; docs/architecture.md
+§4.4) is requeued the same way, with a backoff that grows with the step's consecutive
+infrastructure failures (capped by `RetryPolicy.backoff_max_s`); a step-caused launch failure
+(its command cannot run) uses a retry like a non-zero exit.
 Neighbours: the loop classifies each exit with `classify_exit` and hands the decision to the store.
 Must not: read the clock (`now` is passed in) or touch the store.
 """
@@ -182,10 +187,25 @@ def classify_launch_failure(
     max_retries: int,
     now: float,
     retry: RetryPolicy,
+    infrastructure: str | None = None,
+    infrastructure_failures: int = 0,
 ) -> ExitDecision:
-    """The executor could not start the attempt. A temporary failure (resources exhausted) is
-    requeued after a backoff without using a retry; a permanent one (command not found) is a
+    """The executor could not start the attempt. An infrastructure failure (`infrastructure`
+    names what failed; `infrastructure_failures` counts the step's earlier ones in a row) is
+    requeued after a growing backoff without using a retry; a temporary failure (resources
+    exhausted) after a backoff without using a retry; a permanent one (command not found) is a
     failure like a non-zero exit."""
+    if step_state == StepState.RUNNING and infrastructure is not None:
+        delay = retry.delay(infrastructure_failures + 1)
+        return ExitDecision(
+            AttemptState.FAILED,
+            StepState.READY,
+            retries_used,
+            now + delay,
+            f"launch failed ({infrastructure}: {message}); not the step's failure, "
+            f"will try again in {delay:g}s",
+            requeued=True,
+        )
     if step_state == StepState.RUNNING and temporary:
         return ExitDecision(
             AttemptState.FAILED,

@@ -17,6 +17,10 @@ Rules
   the next reconcile closes it).
 - Only a GPU whose open interval is idle can be booked; booking the same GPU twice in one request
   is a double booking.
+- A GPU changes hands at one instant, never before its open interval began (`handover_at`): an
+  end earlier than the start (an exit stamped a moment after the tick that books its GPUs for
+  the replacement, a clock that went back across a restart) is clamped to the start, so no
+  interval has a negative duration and the intervals of one GPU never overlap.
 - A replica holds its GPUs in `GPU_HOLDING_REPLICA_STATES`; a move out of them releases them.
   Starting a replica books its GPUs and moves it to STARTING, or WAKING when it wakes from sleep.
 - A reclaim update may record `notice_at`, `freed_at` and `healthy_at`, and end it with `state`.
@@ -55,6 +59,12 @@ def reconcile_gpus(
 def bookable(open_kind: str | None) -> bool:
     """Whether a GPU whose open interval has this holder kind (None: no open interval) can be booked."""
     return open_kind == IDLE
+
+
+def handover_at(now: float, open_started_at: float) -> float:
+    """When a GPU whose open interval began at `open_started_at` changes hands if asked at `now`:
+    `now`, clamped to no earlier than that start (the closed interval may be empty, never negative)."""
+    return max(now, open_started_at)
 
 
 def replica_start_state(wake: bool) -> ReplicaState:

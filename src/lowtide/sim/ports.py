@@ -30,6 +30,7 @@ from lowtide.control.executor_port import (
     ProcessIdentity,
 )
 from lowtide.control.inference_ports import ReplicaEvent, ReplicaLaunch
+from lowtide.control.ports import PathStat
 from lowtide.domain.metrics import ServiceSignals
 from lowtide.domain.services import ParkMode
 from lowtide.sim.capacity import ReplicaCapacity, ServiceLoadState, current_load, service_signals
@@ -111,6 +112,8 @@ class SimExecutor:
     behaviours: dict[str, StepBehaviour] = field(default_factory=dict)  # job id → behaviour
     running: dict[int, _Attempt] = field(default_factory=dict)
     launches: int = 0
+    #: Exits reported but not acknowledged yet: reported again at every poll (the port's rule).
+    unacked: dict[int, AttemptExit] = field(default_factory=dict)
 
     def launch(self, request: LaunchRequest, now: float) -> ProcessIdentity:
         behaviour = self.behaviours[request.job_id]
@@ -155,14 +158,16 @@ class SimExecutor:
         return out
 
     def poll(self, now: float) -> list[AttemptExit]:
-        out = []
         for aid, att in list(self.running.items()):
             if att.exit_at <= now:
-                out.append(
-                    AttemptExit(aid, att.exit_code, att.signal, att.exit_at, killed_at_deadline=att.killed)
+                self.unacked[aid] = AttemptExit(
+                    aid, att.exit_code, att.signal, att.exit_at, killed_at_deadline=att.killed
                 )
                 del self.running[aid]
-        return out
+        return list(self.unacked.values())
+
+    def ack_exit(self, attempt_id: int) -> None:
+        self.unacked.pop(attempt_id, None)
 
     def next_event(self) -> float | None:
         return min((a.exit_at for a in self.running.values()), default=None)
@@ -283,4 +288,10 @@ class NoArtifacts:
         pass
 
     def read_text(self, uri: str, *, max_bytes: int) -> str | None:
+        return None
+
+    def stat(self, uri: str) -> PathStat | None:
+        return PathStat("unknown")  # no files here: checkpoints cannot be checked, so they count
+
+    def sha256(self, uri: str, *, max_bytes: int) -> str | None:
         return None

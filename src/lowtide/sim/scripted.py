@@ -15,6 +15,7 @@ Must not: decide anything the loop decides, read the wall clock, or import real 
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ from lowtide.control.executor_port import (
     ProcessIdentity,
 )
 from lowtide.control.inference_ports import ReplicaEvent, ReplicaLaunch
+from lowtide.control.ports import PathStat
 from lowtide.domain.metrics import ReplicaSignals, ServiceSignals
 from lowtide.domain.services import ParkMode
 
@@ -50,6 +52,8 @@ class FakeExecutor:
     pending_exits: dict[int, int] = field(default_factory=dict)
     launched: list[LaunchRequest] = field(default_factory=list)
     notices: list[tuple[int, float]] = field(default_factory=list)
+    #: Exits reported but not acknowledged yet: reported again at every poll (the port's rule).
+    unacked: dict[int, AttemptExit] = field(default_factory=dict)
 
     def launch(self, request: LaunchRequest, now: float) -> ProcessIdentity:
         self.running[request.attempt_id] = FakeProcess(request, now)
@@ -57,6 +61,8 @@ class FakeExecutor:
         return ProcessIdentity(pid=100_000 + request.attempt_id, started_at=now)
 
     def notify_stop(self, attempt_id: int, deadline: float, now: float) -> None:
+        if attempt_id in self.unacked:
+            return  # ended already; its exit waits for the store
         proc = self.running[attempt_id]
         if proc.deadline is None:
             proc.deadline, proc.noticed_at = deadline, now
@@ -68,15 +74,19 @@ class FakeExecutor:
             self.pending_exits[attempt_id] = exit_code
 
     def poll(self, now: float) -> list[AttemptExit]:
-        out = []
         for attempt_id, proc in list(self.running.items()):
             if attempt_id in self.pending_exits:
-                out.append(AttemptExit(attempt_id, self.pending_exits.pop(attempt_id), None, now))
+                code = self.pending_exits.pop(attempt_id)
+                self.unacked[attempt_id] = AttemptExit(attempt_id, code, None, now)
                 del self.running[attempt_id]
             elif proc.deadline is not None and now >= proc.deadline:
-                out.append(AttemptExit(attempt_id, None, _SIGKILL, now, killed_at_deadline=True))
+                killed = AttemptExit(attempt_id, None, _SIGKILL, now, killed_at_deadline=True)
+                self.unacked[attempt_id] = killed
                 del self.running[attempt_id]
-        return out
+        return list(self.unacked.values())
+
+    def ack_exit(self, attempt_id: int) -> None:
+        self.unacked.pop(attempt_id, None)
 
     def adopt(self, request: AdoptRequest, now: float) -> AdoptResult:
         if request.attempt_id in self.running:
@@ -94,10 +104,13 @@ class FakeExecutor:
 
 
 class MemoryArtifacts:
-    """The artifact port over a dict: `files[uri] = text`."""
+    """The artifact port over a dict: `files[uri] = text`. A path under which no file lies is
+    "unknown" (checkpoints reported without files count as valid) unless `strict`: then it is
+    missing."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, strict: bool = False) -> None:
         self.files: dict[str, str] = {}
+        self.strict = strict
 
     def ensure_dir(self, uri: str) -> None:
         pass
@@ -107,6 +120,19 @@ class MemoryArtifacts:
         if text is not None and len(text.encode()) > max_bytes:
             raise ValueError("too large")
         return text
+
+    def stat(self, uri: str) -> PathStat | None:
+        if uri in self.files:
+            return PathStat("file", len(self.files[uri].encode()))
+        if any(k.startswith(uri.rstrip("/") + "/") for k in self.files):
+            return PathStat("dir")
+        return None if self.strict else PathStat("unknown")
+
+    def sha256(self, uri: str, *, max_bytes: int) -> str | None:
+        data = self.files.get(uri)
+        if data is None or len(data.encode()) > max_bytes:
+            return None
+        return hashlib.sha256(data.encode()).hexdigest()
 
 
 @dataclass

@@ -22,7 +22,7 @@ import copy
 import functools
 import threading
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import sqlalchemy as sa
@@ -32,6 +32,7 @@ from lowtide.control.executor_port import ProcessIdentity
 from lowtide.control.records import (
     AttemptLaunch,
     AttemptRecord,
+    CheckpointRecord,
     ExitContext,
     NotFound,
     NoticeDue,
@@ -317,6 +318,7 @@ class AttemptsRepo(StoreBase):
                     attempts.c.job_id,
                     attempts.c.step_name,
                     attempts.c.state,
+                    attempts.c.started_at,
                     steps.c.state.label("step_state"),
                     steps.c.retries_used,
                     steps.c.max_retries,
@@ -342,6 +344,7 @@ class AttemptsRepo(StoreBase):
             last_checkpoint=row.last_checkpoint,
             preemptions=row.preemptions,
             max_preemptions=row.max_preemptions,
+            started_at=row.started_at,
         )
 
     def finish_attempt(
@@ -633,6 +636,61 @@ class AttemptsRepo(StoreBase):
                 rules.checkpoint_message(label, progress),
             )
             return True
+
+    def step_checkpoints(self, job_id: str, step: str) -> list[CheckpointRecord]:
+        """Every checkpoint the step reported, in the order reported."""
+        with self._read() as conn:
+            rows = conn.execute(
+                sa.select(checkpoints)
+                .where(checkpoints.c.job_id == job_id, checkpoints.c.step_name == step)
+                .order_by(checkpoints.c.id)
+            ).all()
+        return [
+            CheckpointRecord(
+                r.attempt_id, r.job_id, r.step_name, r.label, r.progress, r.source, r.reported_at
+            )
+            for r in rows
+        ]
+
+    def record_resume(
+        self,
+        attempt_id: int,
+        *,
+        resume_from: str | None,
+        fingerprint: str | None,
+        skipped: Sequence[tuple[str, str]],
+        now: float,
+    ) -> None:
+        """Where the attempt resumes (`policy.checkpoints`): into its record, with an event per
+        checkpoint skipped."""
+        with self._write() as conn:
+            row = conn.execute(
+                sa.select(attempts.c.job_id, attempts.c.step_name, attempts.c.record).where(
+                    attempts.c.id == attempt_id
+                )
+            ).first()
+            if row is None:
+                raise NotFound(f"attempt {attempt_id} not found")
+            record = rules.with_resume(row.record, resume_from, fingerprint)
+            conn.execute(sa.update(attempts).where(attempts.c.id == attempt_id).values(record=record))
+            for _label, message in skipped:
+                insert_event(conn, row.job_id, row.step_name, attempt_id, now, "checkpoint_invalid", message)
+
+    def mark_checkpoint_bad(
+        self, attempt_id: int, *, label: str, fingerprint: str | None, message: str, now: float
+    ) -> None:
+        """Record with the attempt that it crashed on resuming from `label`, and an event."""
+        with self._write() as conn:
+            row = conn.execute(
+                sa.select(attempts.c.job_id, attempts.c.step_name, attempts.c.record).where(
+                    attempts.c.id == attempt_id
+                )
+            ).first()
+            if row is None:
+                raise NotFound(f"attempt {attempt_id} not found")
+            record = rules.with_bad_checkpoint(row.record, label, fingerprint)
+            conn.execute(sa.update(attempts).where(attempts.c.id == attempt_id).values(record=record))
+            insert_event(conn, row.job_id, row.step_name, attempt_id, now, "checkpoint_bad", message)
 
 
 def _queued_step(

@@ -2,7 +2,11 @@
 
 `StoreBase` holds the engine (`open`/`close`), the transaction helpers every part uses
 (`_read()`: a read-only transaction; `_write()`: a write transaction, queued on an in-process lock
-on SQLite) and `instance_id`; `insert_event` appends to a job's event log inside a caller's
+on SQLite, that first checks a leader's fencing token, `store.fence`) and `instance_id`. Both
+helpers classify failures at this edge: one that may pass (a lock, a full disk, a lost
+connection; `store.errors`) is raised as `records.StoreUnavailable`, logged once per outage, and
+recorded in `health` (`control.store_health`), which the loop and the API read
+(docs/architecture.md §4.4); `insert_event` appends to a job's event log inside a caller's
 transaction. Neighbours: `db` makes the engine and migrates it; the mixins `jobs_repo`,
 `pool_repo`, `attempts_repo` and `tokens_repo` subclass `StoreBase`, and `repo.Store` composes them.
 Must not: hold queries of a single part (they live in that part), decide anything, or read the
@@ -12,17 +16,25 @@ clock (every time is passed in).
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Self
 
 import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
 
-from lowtide.store.db import READONLY, make_engine, migrate
+from lowtide.control.lease import Fence
+from lowtide.control.records import FencedOut
+from lowtide.control.store_health import Access, StoreHealth
+from lowtide.store.db import READONLY, SQLITE_BUSY_TIMEOUT_S, make_engine, migrate
+from lowtide.store.errors import unavailable
+from lowtide.store.fence import check_fence
 from lowtide.store.schema import events, meta
+
+log = logging.getLogger("lowtide.store")
 
 
 class StoreBase:
@@ -36,10 +48,17 @@ class StoreBase:
         self._write_lock: contextlib.AbstractContextManager[Any] = (
             threading.RLock() if engine.dialect.name == "sqlite" else contextlib.nullcontext()
         )
+        #: Outages seen by this process (wiring replaces it with one on the shared clock).
+        self.health = StoreHealth()
+        #: The leader's fencing token, checked by every write (`lease_repo.fence_writes`).
+        self._fence: Fence | None = None
+        self.on_fenced: Callable[[FencedOut], None] | None = None
 
     @classmethod
-    def open(cls, url: str, *, migrate_schema: bool = True) -> Self:
-        engine = make_engine(url)
+    def open(
+        cls, url: str, *, migrate_schema: bool = True, busy_timeout_s: float = SQLITE_BUSY_TIMEOUT_S
+    ) -> Self:
+        engine = make_engine(url, busy_timeout_s=busy_timeout_s)
         if migrate_schema:
             migrate(engine)
         return cls(engine)
@@ -48,14 +67,45 @@ class StoreBase:
         self.engine.dispose()
 
     @contextmanager
-    def _write(self) -> Iterator[Connection]:
-        with self._write_lock, self.engine.begin() as conn:
+    def _write(self, *, fenced: bool = True) -> Iterator[Connection]:
+        with self._classified("write"), self._write_lock, self.engine.begin() as conn:
+            if fenced and self._fence is not None:  # a leader's writes carry its token (store.fence)
+                check_fence(conn, self._fence, self.on_fenced)
             yield conn
 
     @contextmanager
     def _read(self) -> Iterator[Connection]:
-        with self.engine.connect().execution_options(**{READONLY: True}) as conn, conn.begin():
+        with (
+            self._classified("read"),
+            self.engine.connect().execution_options(**{READONLY: True}) as conn,
+            conn.begin(),
+        ):
             yield conn
+
+    @contextmanager
+    def _classified(self, access: Access) -> Iterator[None]:
+        """Raise a failure that may pass as `StoreUnavailable` and keep `health` up to date."""
+        try:
+            yield
+        except Exception as exc:
+            outage = unavailable(exc)
+            if outage is None:  # the database answered (a constraint, a stale row, a bug)
+                self.health.succeeded(access)
+                raise
+            if self.health.failed(access, outage.reason):
+                log.error("store %s failed: %s; retrying until it works again", access, outage.reason)
+            if outage is exc:
+                raise
+            raise outage from exc
+        ended = self.health.succeeded(access)
+        if ended is not None:
+            log.warning(
+                "store %s works again after %.1fs (%d failures): %s",
+                access,
+                ended.age(self.health.clock.now()),
+                ended.failures,
+                ended.reason,
+            )
 
     # -- meta ----------------------------------------------------------------------------------
 

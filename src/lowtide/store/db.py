@@ -19,18 +19,37 @@ MIGRATIONS = Path(__file__).parent / "migrations"
 READONLY = "lowtide_readonly"
 
 
-def make_engine(url: str, **kwargs: Any) -> Engine:
+#: How long a writer waits for a lock another connection holds before the write fails as a store
+#: outage (SQLite: busy_timeout, "database is locked"; PostgreSQL: lock_timeout, SQLSTATE 55P03).
+#: Short, so that an outage is seen (503, /healthz) instead of hanging every request behind it.
+SQLITE_BUSY_TIMEOUT_S = 5.0
+#: How long a PostgreSQL connection attempt may take (libpq connect_timeout, whole seconds).
+PG_CONNECT_TIMEOUT_S = 5
+
+
+def make_engine(url: str, *, busy_timeout_s: float = SQLITE_BUSY_TIMEOUT_S, **kwargs: Any) -> Engine:
+    """An engine for `url`; `busy_timeout_s` bounds the wait for a lock another connection holds
+    (SQLite's busy_timeout, PostgreSQL's lock_timeout), after which the statement fails as
+    `StoreUnavailable` (`store.errors`)."""
     if url.startswith("sqlite"):
         path = url.split("///", 1)[1] if "///" in url else ""
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, **kwargs)
-        _sqlite_setup(engine)
+        engine = create_engine(
+            url, connect_args={"check_same_thread": False, "timeout": busy_timeout_s}, **kwargs
+        )
+        _sqlite_setup(engine, busy_timeout_s)
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=10, **kwargs)
+    # PostgreSQL 15 docs §20.11 (lock_timeout) and libpq §34.1.2 (connect_timeout): a lock held
+    # by someone else or a server that does not answer becomes an error we classify, not a hang.
+    lock_ms = max(1, round(busy_timeout_s * 1000))
+    connect_args = {"connect_timeout": PG_CONNECT_TIMEOUT_S, "options": f"-c lock_timeout={lock_ms}"}
+    return create_engine(
+        url, pool_pre_ping=True, pool_size=10, max_overflow=10, connect_args=connect_args, **kwargs
+    )
 
 
-def _sqlite_setup(engine: Engine) -> None:
+def _sqlite_setup(engine: Engine, busy_timeout_s: float) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
         dbapi_conn.isolation_level = None  # we issue BEGIN ourselves (below)
@@ -38,7 +57,7 @@ def _sqlite_setup(engine: Engine) -> None:
         cur.execute("PRAGMA journal_mode=WAL")
         cur.execute("PRAGMA synchronous=NORMAL")
         cur.execute("PRAGMA foreign_keys=ON")
-        cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute(f"PRAGMA busy_timeout={max(0, round(busy_timeout_s * 1000))}")
         cur.close()
 
     @event.listens_for(engine, "begin")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import Connection
@@ -21,6 +22,7 @@ from lowtide.control.records import (
     AttemptRecord,
     CheckpointRecord,
     EventRecord,
+    IdempotencyConflict,
     JobDetail,
     JobRecord,
     JobScope,
@@ -31,6 +33,7 @@ from lowtide.domain.states import JobState, StepState
 from lowtide.policy.job_rules import (
     CANCEL_MOVES,
     cancel_message,
+    cancel_target,
     cancels,
     initial_reason,
     initial_step_state,
@@ -45,54 +48,36 @@ from lowtide.store.transitions import move_job, move_job_steps
 
 class JobsRepo(StoreBase):
     def create_job(self, new: NewJob) -> JobRecord:
-        """Store a new job and its steps; returns the job as stored (no second read)."""
+        """Store a new job and its steps; returns the job as stored (no second read).
+
+        With `new.idempotency_key`, a job of the same owner with that key is returned instead
+        (its id differs from `new.id`: a replay) when its request digest matches, else
+        `IdempotencyConflict`. Two such submits racing make one job: the loser's insert breaks
+        the unique (owner, idempotency_key) index and it returns the winner's job."""
+        try:
+            return self._insert_job(new)
+        except sa.exc.IntegrityError:
+            if new.idempotency_key is None:
+                raise
+            with self._read() as conn:
+                found = _idempotent_job_id(conn, new)
+            if found is None:
+                raise
+            return self.job(found)
+
+    def _insert_job(self, new: NewJob) -> JobRecord:
         spec = new.spec
         now = new.submitted_at
         document = spec.to_document()
         step_states = [initial_step_state(step.depends).value for step in spec.steps]
         with self._write() as conn:
-            conn.execute(
-                sa.insert(jobs).values(
-                    id=new.id,
-                    name=spec.name,
-                    team=spec.team,
-                    owner=new.owner,
-                    priority=spec.priority,
-                    state=JobState.QUEUED.value,
-                    submitted_at=now,
-                    grace_seconds=spec.grace_seconds,
-                    template=spec.template,
-                    rerun_of=new.rerun_of,
-                    spec=document,
-                    source_text=new.source_text,
-                    message="",
-                )
-            )
-            conn.execute(
-                sa.insert(steps),
-                [
-                    {
-                        "job_id": new.id,
-                        "name": step.name,
-                        "idx": i,
-                        "state": step_states[i],
-                        "gpus": step.gpus,
-                        "depends": list(step.depends),
-                        "resolved": resolved_to_doc(resolved),
-                        "max_retries": spec.retries_for(step),
-                        "min_runtime": step.min_runtime,
-                        "max_preemptions": step.max_preemptions,
-                        "restart_seconds": step.restart_seconds,
-                        "retries_used": 0,
-                        "preemptions": 0,
-                        "eligible_at": 0.0,
-                        "reason": initial_reason(step.depends),
-                        "updated_at": now,
-                    }
-                    for i, (step, resolved) in enumerate(zip(spec.steps, new.resolved, strict=True))
-                ],
-            )
-            insert_event(conn, new.id, None, None, now, "submitted", submit_message(new.owner, new.rerun_of))
+            if new.idempotency_key is not None and (found := _idempotent_job_id(conn, new)) is not None:
+                replayed = found
+            else:
+                replayed = None
+                self._insert_job_rows(conn, new, document, step_states)
+        if replayed is not None:
+            return self.job(replayed)
         return JobRecord(
             id=new.id,
             name=spec.name,
@@ -112,6 +97,56 @@ class JobsRepo(StoreBase):
             message="",
             step_states=step_counts(step_states),
         )
+
+    def _insert_job_rows(
+        self, conn: Connection, new: NewJob, document: dict[str, Any], step_states: list[str]
+    ) -> None:
+        spec = new.spec
+        now = new.submitted_at
+        conn.execute(
+            sa.insert(jobs).values(
+                id=new.id,
+                name=spec.name,
+                team=spec.team,
+                owner=new.owner,
+                priority=spec.priority,
+                state=JobState.QUEUED.value,
+                submitted_at=now,
+                grace_seconds=spec.grace_seconds,
+                template=spec.template,
+                rerun_of=new.rerun_of,
+                spec=document,
+                source_text=new.source_text,
+                message="",
+                idempotency_key=new.idempotency_key,
+                request_digest=new.request_digest,
+            )
+        )
+        conn.execute(
+            sa.insert(steps),
+            [
+                {
+                    "job_id": new.id,
+                    "name": step.name,
+                    "idx": i,
+                    "state": step_states[i],
+                    "gpus": step.gpus,
+                    "depends": list(step.depends),
+                    "resolved": resolved_to_doc(resolved),
+                    "max_retries": spec.retries_for(step),
+                    "min_runtime": step.min_runtime,
+                    "max_preemptions": step.max_preemptions,
+                    "restart_seconds": step.restart_seconds,
+                    "retries_used": 0,
+                    "preemptions": 0,
+                    "eligible_at": 0.0,
+                    "reason": initial_reason(step.depends),
+                    "updated_at": now,
+                }
+                for i, (step, resolved) in enumerate(zip(spec.steps, new.resolved, strict=True))
+            ],
+        )
+        insert_event(conn, new.id, None, None, now, "submitted", submit_message(new.owner, new.rerun_of))
 
     def list_jobs(
         self,
@@ -216,8 +251,11 @@ class JobsRepo(StoreBase):
                 )
                 for move in CANCEL_MOVES
             }
-            move_job(conn, job_id, state, JobState.CANCELLED, cancel_requested_at=now, finished_at=now)
-            message = cancel_message(by, moved.get(StepState.CANCELLING, 0))
+            stopping = moved.get(StepState.CANCELLING, 0)
+            target = cancel_target(stopping)
+            finished = {"finished_at": now} if target == JobState.CANCELLED else {}
+            move_job(conn, job_id, state, target, cancel_requested_at=now, **finished)
+            message = cancel_message(by, stopping)
             insert_event(conn, job_id, None, None, now, "cancelled", message)
             row = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).one()
             return job_record(row, _step_counts(conn, [job_id]).get(job_id))
@@ -263,3 +301,18 @@ def _step_counts(conn: Connection, job_ids: list[str]) -> dict[str, dict[str, in
         ).all():
             counts[job_id][state] = int(n)
     return counts
+
+
+def _idempotent_job_id(conn: Connection, new: NewJob) -> str | None:
+    """The id of the owner's job made with `new.idempotency_key` (None: none yet); raises
+    `IdempotencyConflict` when that job came from a different request."""
+    row = conn.execute(
+        sa.select(jobs.c.id, jobs.c.request_digest).where(
+            jobs.c.owner == new.owner, jobs.c.idempotency_key == new.idempotency_key
+        )
+    ).first()
+    if row is None:
+        return None
+    if row.request_digest != new.request_digest:
+        raise IdempotencyConflict(str(new.idempotency_key), row.id)
+    return str(row.id)

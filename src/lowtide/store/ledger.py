@@ -2,15 +2,20 @@
 
 Invariant: each managed GPU has exactly one open row (``ended_at IS NULL``); handing a GPU from
 one holder to another closes one row and opens the next at the same instant, so the ledger's
-GPU-seconds add up to capacity × time. `hold` books only GPUs that are idle right now (guarded),
-which is what makes double booking impossible even if two writers race. The rules (which rows
-`ensure_gpus` opens and closes, the per-kind sum) are `policy.pool_rules`, shared with the
-in-memory ledger (`store.memory.ledger`); the holder kinds are `policy.accounting`'s.
+GPU-seconds add up to capacity × time. That instant is never before the open row began
+(`policy.pool_rules.handover_at`; a clamp is logged): no row has a negative duration and the rows
+of one GPU never overlap, whatever time the caller passes (an exit stamped after the tick that
+books the GPU again, a clock that went back across a restart). `hold` books only GPUs that are
+idle right now (guarded), which is what makes double booking impossible even if two writers race.
+The rules (which rows `ensure_gpus` opens and closes, the handover instant, the per-kind sum) are
+`policy.pool_rules`, shared with the in-memory ledger (`store.memory.ledger`); the holder kinds
+are `policy.accounting`'s.
 Must not: decide who gets a GPU (policy does); it only records.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import sqlalchemy as sa
@@ -19,8 +24,10 @@ from sqlalchemy import Connection
 from lowtide.control.records import GpuBusy, GpuHolding
 from lowtide.domain.gpus import GpuRef
 from lowtide.policy.accounting import ATTEMPT, IDLE, REPLICA
-from lowtide.policy.pool_rules import gpu_seconds_by_kind, reconcile_gpus
+from lowtide.policy.pool_rules import gpu_seconds_by_kind, handover_at, reconcile_gpus
 from lowtide.store.schema import attempts, gpu_ledger
+
+log = logging.getLogger("lowtide")
 
 __all__ = [
     "ATTEMPT",
@@ -30,25 +37,43 @@ __all__ = [
     "gpu_seconds_by_holder",
     "hold",
     "holdings",
+    "last_handover",
     "release",
 ]
+
+
+def _clamped(gpu: GpuRef, now: float, started_at: float) -> float:
+    at = handover_at(now, started_at)
+    if at != now:  # a few ms: an exit stamped after the tick's time; more: a clock gone back
+        log.log(
+            logging.WARNING if at - now > 1.0 else logging.INFO,
+            "ledger: GPU %s changes hands %.3f s before its interval began; clamped to its start",
+            gpu,
+            at - now,
+        )
+    return at
 
 
 def ensure_gpus(conn: Connection, gpus: Iterable[GpuRef], now: float) -> None:
     """Open an idle row for every managed GPU without an open row; close idle rows of GPUs no
     longer managed (held ones stay open until their holder releases them)."""
     open_rows = conn.execute(
-        sa.select(gpu_ledger.c.id, gpu_ledger.c.node, gpu_ledger.c.gpu_index, gpu_ledger.c.holder_kind).where(
-            gpu_ledger.c.ended_at.is_(None)
-        )
+        sa.select(
+            gpu_ledger.c.id,
+            gpu_ledger.c.node,
+            gpu_ledger.c.gpu_index,
+            gpu_ledger.c.holder_kind,
+            gpu_ledger.c.started_at,
+        ).where(gpu_ledger.c.ended_at.is_(None))
     ).all()
     row_of = {GpuRef(r.node, r.gpu_index): r for r in open_rows}
     close, missing = reconcile_gpus({g: r.holder_kind for g, r in row_of.items()}, gpus)
-    if close:
+    for g in close:
+        row = row_of[g]
         conn.execute(
             sa.update(gpu_ledger)
-            .where(gpu_ledger.c.id.in_([row_of[g].id for g in close]))
-            .values(ended_at=now)
+            .where(gpu_ledger.c.id == row.id)
+            .values(ended_at=_clamped(g, now, row.started_at))
         )
     if missing:
         conn.execute(
@@ -67,18 +92,30 @@ def hold(
     team: str | None,
     now: float,
 ) -> None:
-    """Hand idle GPUs to a holder. Raises GpuBusy if any of them is not idle right now."""
+    """Hand idle GPUs to a holder, each at `now` or, if later, when its idle row began. Raises
+    GpuBusy if any of them is not idle right now."""
     rows = []
     for gpu in gpus:
-        result = conn.execute(
-            sa.update(gpu_ledger)
-            .where(
+        idle = conn.execute(
+            sa.select(gpu_ledger.c.id, gpu_ledger.c.started_at).where(
                 gpu_ledger.c.node == gpu.node,
                 gpu_ledger.c.gpu_index == gpu.index,
                 gpu_ledger.c.ended_at.is_(None),
                 gpu_ledger.c.holder_kind == IDLE,
             )
-            .values(ended_at=now)
+        ).first()
+        if idle is None:
+            raise GpuBusy(f"GPU {gpu} is not idle")
+        at = _clamped(gpu, now, idle.started_at)
+        # Guarded like a state move: a writer that booked it since our read leaves no row to match.
+        result = conn.execute(
+            sa.update(gpu_ledger)
+            .where(
+                gpu_ledger.c.id == idle.id,
+                gpu_ledger.c.ended_at.is_(None),
+                gpu_ledger.c.holder_kind == IDLE,
+            )
+            .values(ended_at=at)
         )
         if result.rowcount != 1:
             raise GpuBusy(f"GPU {gpu} is not idle")
@@ -90,7 +127,7 @@ def hold(
                 "holder_id": holder_id,
                 "job_id": job_id,
                 "team": team,
-                "started_at": now,
+                "started_at": at,
             }
         )
     if rows:
@@ -98,9 +135,10 @@ def hold(
 
 
 def release(conn: Connection, *, kind: str, holder_id: str, now: float) -> list[GpuRef]:
-    """Close the holder's open rows and open idle rows for those GPUs; returns the GPUs freed."""
+    """Close the holder's open rows (at `now`, or when a row began if that is later) and open idle
+    rows for those GPUs at the same instant; returns the GPUs freed."""
     held = conn.execute(
-        sa.select(gpu_ledger.c.id, gpu_ledger.c.node, gpu_ledger.c.gpu_index).where(
+        sa.select(gpu_ledger.c.id, gpu_ledger.c.node, gpu_ledger.c.gpu_index, gpu_ledger.c.started_at).where(
             gpu_ledger.c.holder_kind == kind,
             gpu_ledger.c.holder_id == holder_id,
             gpu_ledger.c.ended_at.is_(None),
@@ -108,12 +146,27 @@ def release(conn: Connection, *, kind: str, holder_id: str, now: float) -> list[
     ).all()
     if not held:
         return []
-    conn.execute(sa.update(gpu_ledger).where(gpu_ledger.c.id.in_([r.id for r in held])).values(ended_at=now))
+    at_of = {r.id: _clamped(GpuRef(r.node, r.gpu_index), now, r.started_at) for r in held}
+    for at in sorted(set(at_of.values())):
+        ids = [i for i, a in at_of.items() if a == at]
+        conn.execute(sa.update(gpu_ledger).where(gpu_ledger.c.id.in_(ids)).values(ended_at=at))
     conn.execute(
         sa.insert(gpu_ledger),
-        [{"node": r.node, "gpu_index": r.gpu_index, "holder_kind": IDLE, "started_at": now} for r in held],
+        [
+            {"node": r.node, "gpu_index": r.gpu_index, "holder_kind": IDLE, "started_at": at_of[r.id]}
+            for r in held
+        ],
     )
     return [GpuRef(r.node, r.gpu_index) for r in held]
+
+
+def last_handover(conn: Connection) -> float | None:
+    """The latest instant at which any GPU changed hands (the latest start of an open row), or
+    None when the ledger is empty."""
+    latest = conn.execute(
+        sa.select(sa.func.max(gpu_ledger.c.started_at)).where(gpu_ledger.c.ended_at.is_(None))
+    ).scalar_one()
+    return None if latest is None else float(latest)
 
 
 def holdings(conn: Connection) -> list[GpuHolding]:

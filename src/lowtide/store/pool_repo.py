@@ -1,7 +1,8 @@
 """The store's GPU pool and accounting: the managed GPUs, who holds them, and totals.
 
 A mixin over `base.StoreBase`, composed into `repo.Store`; the control loop calls `ensure_gpus`
-each round, `api` (metrics, usage) reads the rest. The ledger itself (one open row per GPU,
+each round, `api` (metrics, usage) reads the rest, `wiring` reads `last_recorded_at` when it starts
+acting (the floor of control time, docs/architecture.md §4.3). The ledger itself (one open row per GPU,
 guarded booking) is `ledger`; booking and releasing GPUs for attempts happens in `attempts_repo`.
 Must not: decide who gets a GPU (policy does) or read the clock (every time is passed in).
 """
@@ -16,7 +17,7 @@ from lowtide.control.records import GpuHolding
 from lowtide.domain.gpus import Node
 from lowtide.store import ledger
 from lowtide.store.base import StoreBase
-from lowtide.store.schema import attempts, gpu_ledger, jobs, reclaims, steps
+from lowtide.store.schema import attempts, events, gpu_ledger, jobs, reclaims, steps
 
 
 class PoolRepo(StoreBase):
@@ -31,6 +32,16 @@ class PoolRepo(StoreBase):
     def gpu_seconds_by_holder(self, start: float, end: float) -> dict[str, float]:
         with self._read() as conn:
             return ledger.gpu_seconds_by_holder(conn, start, end)
+
+    def last_recorded_at(self) -> float | None:
+        """The latest time the control plane recorded that a restart must not go back before: the
+        last GPU handover in the ledger or the last job event, whichever is later (None: neither).
+        `SystemClock.not_before` takes it at start-up (docs/architecture.md §4.3)."""
+        with self._read() as conn:
+            handover = ledger.last_handover(conn)
+            event = conn.execute(sa.select(events.c.at).order_by(events.c.id.desc()).limit(1)).scalar()
+        times = [float(t) for t in (handover, event) if t is not None]
+        return max(times, default=None)
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Jobs by state, steps by state, GPUs by holder kind, reclaims by state (for /metrics)."""

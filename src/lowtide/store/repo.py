@@ -5,7 +5,9 @@ engine, `open`/`close`, the `_read()`/`_write()` transaction helpers, `instance_
 `jobs_repo.JobsRepo` (the API side: submit, list, read, cancel), `pool_repo.PoolRepo` (the GPU pool
 and accounting), `attempts_repo.AttemptsRepo` (the control loop's side; `control.loop` uses it
 through `control.ports.StorePort`), `replicas_repo.ReplicasRepo` (inference replicas, service
-events), `reports_repo.ReportsRepo` (usage reports) and `tokens_repo.TokensRepo` (API tokens).
+events), `reports_repo.ReportsRepo` (usage reports), `tokens_repo.TokensRepo` (API tokens) and
+`state_repo.StateRepo` (what the controllers remember across a restart); `lease_repo.LeaseRepo`
+(the one active control plane's lease and fencing token).
 Callers import `Store` (and `hash_token`) from here and never from the parts.
 Methods return records (`control.records`), never live rows. `store.memory.MemoryStore` has the
 same public methods, signatures and errors over Python objects; the rules both apply are pure
@@ -18,13 +20,15 @@ from __future__ import annotations
 
 from lowtide.store.attempts_repo import AttemptsRepo
 from lowtide.store.jobs_repo import JobsRepo
+from lowtide.store.lease_repo import LeaseRepo
 from lowtide.store.pool_repo import PoolRepo
 from lowtide.store.replicas_repo import ReplicasRepo
 from lowtide.store.reports_repo import ReportsRepo
+from lowtide.store.state_repo import StateRepo
 from lowtide.store.tokens_repo import ROLES, TokensRepo, hash_token
 
 __all__ = ["ROLES", "Store", "hash_token"]
 
 
-class Store(JobsRepo, PoolRepo, AttemptsRepo, ReplicasRepo, ReportsRepo, TokensRepo):
+class Store(JobsRepo, PoolRepo, AttemptsRepo, ReplicasRepo, ReportsRepo, TokensRepo, StateRepo, LeaseRepo):
     """The whole store: every part over one engine (see the module docstring)."""

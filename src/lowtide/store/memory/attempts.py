@@ -13,7 +13,7 @@ read the clock (every time is passed in).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from lowtide.control.executor_port import ProcessIdentity
 from lowtide.control.records import (
@@ -69,6 +69,7 @@ class AttemptsPart(MemoryBase):
         StaleState (the job is finished), IllegalTransition (the step is not startable) or
         GpuBusy, in that order, and then changes nothing."""
         with self._lock:
+            self._check_fence()
             row = self._step_row(job_id, step)
             job = row.job
             if not rules.can_start(job.state):
@@ -133,6 +134,7 @@ class AttemptsPart(MemoryBase):
 
     def set_attempt_process(self, attempt_id: int, identity: ProcessIdentity) -> None:
         with self._lock:
+            self._check_fence()
             att = self._attempts.get(attempt_id)
             if att is not None:  # as an UPDATE of no row: nothing happens
                 self._set_attempt(att, att.state, pid=identity.pid, pid_started_at=identity.started_at)
@@ -159,6 +161,7 @@ class AttemptsPart(MemoryBase):
                 last_checkpoint=step.last_checkpoint,
                 preemptions=step.preemptions,
                 max_preemptions=step.max_preemptions,
+                started_at=att.started_at,
             )
 
     def finish_attempt(
@@ -174,6 +177,7 @@ class AttemptsPart(MemoryBase):
     ) -> None:
         """Apply an exit decision: attempt and step states, GPUs back to idle, usage, tokens."""
         with self._lock:
+            self._check_fence()
             att = self._check_attempt(ctx.attempt_id, ctx.attempt_state, decision.attempt_state)
             step = att.step
             self._check_step(step, ctx.step_state, decision.step_state)
@@ -229,6 +233,7 @@ class AttemptsPart(MemoryBase):
         """Move a running step to PREEMPTING with `attempt_rules.preemption_grace`. Raises
         StaleState if the attempt or its step is no longer RUNNING."""
         with self._lock:
+            self._check_fence()
             att = self._attempts.get(attempt_id)
             if att is None or att.state != AttemptState.RUNNING:
                 raise StaleState(f"attempt {attempt_id} is not running")
@@ -255,6 +260,7 @@ class AttemptsPart(MemoryBase):
 
     def mark_stopping(self, attempt_id: int, *, deadline: float, reason: str, now: float) -> None:
         with self._lock:
+            self._check_fence()
             att = self._check_attempt(attempt_id, AttemptState.RUNNING, AttemptState.STOPPING)
             self._set_attempt(
                 att, AttemptState.STOPPING, notice_at=now, stop_deadline=deadline, stop_reason=reason
@@ -274,6 +280,7 @@ class AttemptsPart(MemoryBase):
         if changes.empty:
             return
         with self._lock:
+            self._check_fence()
             job = self._jobs.get(changes.job_id)
             rows: list[StepRow] = []
             pending: dict[str, StepState] = {}
@@ -315,6 +322,43 @@ class AttemptsPart(MemoryBase):
                 row = None if job is None else job.step_by_name.get(step)
                 if row is not None:  # as an UPDATE of no row: nothing happens
                     row.reason = reason
+
+    def step_checkpoints(self, job_id: str, step: str) -> list[CheckpointRecord]:
+        """Every checkpoint the step reported, in the order reported."""
+        with self._lock:
+            row = self._step_row(job_id, step)
+            return [c for c in row.job.checkpoints if c.step_name == step]
+
+    def record_resume(
+        self,
+        attempt_id: int,
+        *,
+        resume_from: str | None,
+        fingerprint: str | None,
+        skipped: Sequence[tuple[str, str]],
+        now: float,
+    ) -> None:
+        """Where the attempt resumes, into its record, with an event per checkpoint skipped."""
+        with self._lock:
+            att = self._attempts.get(attempt_id)
+            if att is None:
+                raise NotFound(f"attempt {attempt_id} not found")
+            att.record = freeze(rules.with_resume(thaw(att.record), resume_from, fingerprint))
+            self._refresh_attempt(att)
+            for _label, message in skipped:
+                self._event(att.job_id, att.step.name, attempt_id, now, "checkpoint_invalid", message)
+
+    def mark_checkpoint_bad(
+        self, attempt_id: int, *, label: str, fingerprint: str | None, message: str, now: float
+    ) -> None:
+        """Record with the attempt that it crashed on resuming from `label`, and an event."""
+        with self._lock:
+            att = self._attempts.get(attempt_id)
+            if att is None:
+                raise NotFound(f"attempt {attempt_id} not found")
+            att.record = freeze(rules.with_bad_checkpoint(thaw(att.record), label, fingerprint))
+            self._refresh_attempt(att)
+            self._event(att.job_id, att.step.name, attempt_id, now, "checkpoint_bad", message)
 
     def record_checkpoint(
         self, attempt_id: int, *, label: str, progress: str | None, source: str, now: float

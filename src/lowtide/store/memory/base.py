@@ -23,12 +23,15 @@ from __future__ import annotations
 import itertools
 import secrets
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Self
 
+from lowtide.control.lease import Fence, LeaseRecord, fenced_message
 from lowtide.control.records import (
     AttemptRecord,
     EventRecord,
+    FencedOut,
     NotFound,
     NoticeDue,
     ReclaimRecord,
@@ -37,6 +40,7 @@ from lowtide.control.records import (
     StaleState,
     TokenRecord,
 )
+from lowtide.control.store_health import StoreHealth
 from lowtide.domain.states import (
     ATTEMPT_LIFECYCLE,
     JOB_LIFECYCLE,
@@ -63,8 +67,12 @@ class MemoryBase:
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
+        #: Never records an outage: memory is always there (the SQL store's `health`'s twin).
+        self.health = StoreHealth()
         # jobs, steps, attempts (rows), events
         self._jobs: dict[str, JobRow] = {}
+        # (owner, idempotency key) -> (job id, request digest): the SQL store's unique index
+        self._idempotency: dict[tuple[str, str], tuple[str, str | None]] = {}
         self._job_order: list[tuple[float, str]] = []  # (submitted_at, id), ascending
         self._attempts: dict[int, AttemptRow] = {}
         self._events: dict[str, list[EventRecord]] = {}
@@ -97,9 +105,14 @@ class MemoryBase:
         self._listed_tokens: list[int] = []  # every other token, in id order
         self._token_ids = itertools.count(1)
         self._values: dict[str, str] = {}
+        # the control plane's lease (`lease.LeasePart`) and the fence of this store's writes
+        self._leases: dict[str, LeaseRecord] = {}
+        self._fence: Fence | None = None
+        self._on_fenced: Callable[[FencedOut], None] | None = None
+        self._control_state: dict[str, tuple[str, float]] = {}  # key -> (JSON text, updated_at)
 
     @classmethod
-    def open(cls, url: str, *, migrate_schema: bool = True) -> Self:
+    def open(cls, url: str, *, migrate_schema: bool = True, busy_timeout_s: float = 5.0) -> Self:
         """A new, empty store. `url` must be "memory://" (anything after it is ignored);
         `migrate_schema` is accepted for the SQL store's signature and means nothing here."""
         if not url.startswith(URL_SCHEME):
@@ -143,6 +156,20 @@ class MemoryBase:
         self._events.setdefault(job_id, []).append(EventRecord(job_id, step, attempt_id, at, kind, message))
 
     # -- guarded transitions: checks (change nothing) ------------------------------------------
+
+    def _check_fence(self) -> None:
+        """Raise FencedOut when this store's writes are fenced and the lease moved on."""
+        fence = self._fence
+        if fence is None:
+            return
+        row = self._leases.get(fence.name)
+        if row is not None and row.token == fence.token:
+            return
+        holder, token = (row.holder, row.token) if row is not None else (None, None)
+        exc = FencedOut(fenced_message(fence, holder, token))
+        if self._on_fenced is not None:
+            self._on_fenced(exc)
+        raise exc
 
     @staticmethod
     def _check_job(job: JobRow, expected: JobState, target: JobState) -> None:

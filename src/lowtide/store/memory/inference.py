@@ -62,6 +62,7 @@ class InferencePart(MemoryBase):
         IllegalTransition or GpuBusy, changing nothing."""
         target = replica_start_state(wake)
         with self._lock:
+            self._check_fence()
             current = self._replicas.get(replica_id)
             if current is not None:
                 REPLICA_LIFECYCLE.check(current.state, target)
@@ -105,6 +106,7 @@ class InferencePart(MemoryBase):
         """Guarded state move; leaving the GPU-holding states gives the GPUs back to the pool.
         Raises NotFound, IllegalTransition, ValueError (an unknown column) or StaleState."""
         with self._lock:
+            self._check_fence()
             current = self._replicas.get(replica_id)
             if current is None:
                 raise NotFound(f"replica '{replica_id}' not found")
@@ -148,6 +150,7 @@ class InferencePart(MemoryBase):
         decided_at: float,
     ) -> int:
         with self._lock:
+            self._check_fence()
             rec = ReclaimRecord(
                 id=next(self._reclaim_ids),
                 service=service,
@@ -172,6 +175,7 @@ class InferencePart(MemoryBase):
         unknown field or state), IllegalTransition or StaleState (not open, or no such reclaim)."""
         check_reclaim_update(phases)
         with self._lock:
+            self._check_fence()
             current = self._reclaims.get(reclaim_id)
             target = ReclaimState.OPEN
             if "state" in phases:

@@ -13,11 +13,21 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from lowtide.control.records import AttemptRecord, JobDetail, JobRecord, JobScope, NewJob, NotFound
+from lowtide.control.records import (
+    AttemptRecord,
+    IdempotencyConflict,
+    JobDetail,
+    JobRecord,
+    JobScope,
+    NewJob,
+    NotFound,
+)
 from lowtide.domain.states import STEP_LIFECYCLE, JobState, StepState
 from lowtide.policy.job_rules import (
     CANCEL_MOVES,
     cancel_message,
+    cancel_move,
+    cancel_target,
     cancels,
     initial_reason,
     initial_step_state,
@@ -53,8 +63,18 @@ class JobsPart(MemoryBase):
             source_text=new.source_text,
         )
         with self._lock:
+            if new.idempotency_key is not None:  # as the SQL store's unique (owner, key) index
+                known = self._idempotency.get((new.owner, new.idempotency_key))
+                if known is not None:
+                    job_id, digest = known
+                    if digest != new.request_digest:
+                        raise IdempotencyConflict(new.idempotency_key, job_id)
+                    found = self._jobs[job_id]
+                    return job_record(found, step_counts(s.state for s in found.steps))
             if new.id in self._jobs:
                 raise ValueError(f"job '{new.id}' already exists")
+            if new.idempotency_key is not None:
+                self._idempotency[(new.owner, new.idempotency_key)] = (new.id, new.request_digest)
             for i, (step, resolved) in enumerate(pairs):
                 row = StepRow(
                     id=next(self._step_ids),
@@ -144,14 +164,21 @@ class JobsPart(MemoryBase):
             for move in CANCEL_MOVES:
                 for source in move.sources:
                     STEP_LIFECYCLE.check(source, move.target)
-            self._check_job(job, job.state, JobState.CANCELLED)
+            stopping = sum(
+                1
+                for step in job.steps
+                if (m := cancel_move(step.state)) is not None and m.target == StepState.CANCELLING
+            )
+            target = cancel_target(stopping)
+            self._check_job(job, job.state, target)
             moved: dict[StepState, int] = {}
             for move in CANCEL_MOVES:
                 for step in job.steps:
                     if step.state in move.sources:
                         self._set_step(step, move.target, reason=move.reason, updated_at=now)
                         moved[move.target] = moved.get(move.target, 0) + 1
-            self._set_job(job, JobState.CANCELLED, cancel_requested_at=now, finished_at=now)
+            finished = {"finished_at": now} if target == JobState.CANCELLED else {}
+            self._set_job(job, target, cancel_requested_at=now, **finished)
             message = cancel_message(by, moved.get(StepState.CANCELLING, 0))
             self._event(job_id, None, None, now, "cancelled", message)
             return job_record(job, step_counts(s.state for s in job.steps))

@@ -2,7 +2,9 @@
 
 The same invariant as `store.ledger`: each managed GPU has exactly one open interval; handing a
 GPU over closes one interval and opens the next at the same instant, so GPU-seconds add up to
-capacity × time. Which intervals `ensure` opens and closes, which GPUs may be booked and the
+capacity × time; that instant is never before the open interval began (`pool_rules.handover_at`,
+a clamp is logged), so no interval is negative and one GPU's intervals never overlap. Which
+intervals `ensure` opens and closes, which GPUs may be booked, the handover instant and the
 per-kind sum are `policy.pool_rules`, shared with the SQL ledger. Indexes: the open interval of
 each GPU and the GPUs of each holder, so booking and releasing cost O(GPUs moved); the full
 history (`intervals`) is read only by reports.
@@ -12,13 +14,16 @@ who gets a GPU, raise anything but GpuBusy, or change anything before its checks
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from lowtide.control.records import GpuBusy
 from lowtide.domain.gpus import GpuRef
 from lowtide.policy.accounting import IDLE
-from lowtide.policy.pool_rules import bookable, meets_period, reconcile_gpus
+from lowtide.policy.pool_rules import bookable, handover_at, meets_period, reconcile_gpus
+
+log = logging.getLogger("lowtide")
 
 
 @dataclass(slots=True, eq=False)
@@ -42,7 +47,8 @@ class Ledger:
     def ensure(self, managed: Iterable[GpuRef], now: float) -> None:
         close, missing = reconcile_gpus({g: iv.holder_kind for g, iv in self.open.items()}, managed)
         for gpu in close:
-            self.open.pop(gpu).ended_at = now
+            closing = self.open.pop(gpu)
+            closing.ended_at = _clamped(gpu, now, closing.started_at)
         for gpu in missing:
             self._open(Interval(gpu, IDLE, None, None, None, now))
         if close or missing:
@@ -70,8 +76,8 @@ class Ledger:
         """Hand idle GPUs to a holder. Raises GpuBusy (changing nothing) if one is not idle."""
         self.check_bookable(gpus)
         for gpu in gpus:
-            self.open[gpu].ended_at = now
-            self._open(Interval(gpu, kind, holder_id, job_id, team, now))
+            at = self._close(gpu, now)
+            self._open(Interval(gpu, kind, holder_id, job_id, team, at))
         if gpus:
             self._held.setdefault((kind, holder_id), []).extend(gpus)
 
@@ -79,9 +85,13 @@ class Ledger:
         """Close the holder's open intervals and open idle ones for its GPUs; the GPUs freed."""
         gpus = self._held.pop((kind, holder_id), [])
         for gpu in gpus:
-            self.open[gpu].ended_at = now
-            self._open(Interval(gpu, IDLE, None, None, None, now))
+            at = self._close(gpu, now)
+            self._open(Interval(gpu, IDLE, None, None, None, at))
         return gpus
+
+    def last_handover(self) -> float | None:
+        """The latest start of an open interval (when a GPU last changed hands), or None."""
+        return max((iv.started_at for iv in self.open.values()), default=None)
 
     def current(self) -> Iterator[Interval]:
         """The open interval of every GPU, by node and index."""
@@ -93,8 +103,26 @@ class Ledger:
         """Every interval that meets [start, end) (`pool_rules.meets_period`)."""
         return (iv for iv in self.intervals if meets_period(iv.started_at, iv.ended_at, start, end))
 
+    def _close(self, gpu: GpuRef, now: float) -> float:
+        """Close the GPU's open interval at `now` (clamped to its start); the instant used."""
+        current = self.open[gpu]
+        current.ended_at = at = _clamped(gpu, now, current.started_at)
+        return at
+
     def _open(self, interval: Interval) -> None:
         if interval.gpu not in self.open:
             self._sorted = None
         self.open[interval.gpu] = interval
         self.intervals.append(interval)
+
+
+def _clamped(gpu: GpuRef, now: float, started_at: float) -> float:
+    at = handover_at(now, started_at)
+    if at != now:  # a few ms: an exit stamped after the tick's time; more: a clock gone back
+        log.log(
+            logging.WARNING if at - now > 1.0 else logging.INFO,
+            "ledger: GPU %s changes hands %.3f s before its interval began; clamped to its start",
+            gpu,
+            at - now,
+        )
+    return at

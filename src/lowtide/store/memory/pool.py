@@ -34,6 +34,15 @@ class PoolPart(MemoryBase):
         with self._lock:
             self._ledger.ensure([g for n in nodes for g in n.refs()], now)
 
+    def last_recorded_at(self) -> float | None:
+        """The later of the last GPU handover and the last job event (`store.pool_repo`)."""
+        with self._lock:
+            times = [evs[-1].at for evs in self._events.values() if evs]
+            handover = self._ledger.last_handover()
+            if handover is not None:
+                times.append(handover)
+            return max(times, default=None)
+
     def holdings(self) -> list[GpuHolding]:
         """Who holds each GPU now, by node and index, with the step name for attempt holders."""
         with self._lock:

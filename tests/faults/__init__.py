@@ -1,0 +1,1 @@
+"""The fault harness (`harness`) and its short runs, one per fault kind (`test_faults`)."""
