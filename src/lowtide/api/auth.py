@@ -12,6 +12,8 @@ Tokens are stored hashed (SHA-256 of a 256-bit random secret). Roles:
 
 A job the caller may not see answers exactly like a job that does not exist (404, same body), so
 ids do not leak. With auth disabled every request acts as the local admin.
+A request without an Authorization header may instead present the dashboard's session cookie
+(`api.session`: signed, re-checked against the token store, CSRF-checked on unsafe methods).
 Must not: store or log raw tokens; query anything but the token (the routes fetch the jobs).
 """
 
@@ -22,7 +24,8 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from lowtide.api.errors import ApiError
-from lowtide.control.records import JobRecord, JobScope
+from lowtide.api.session import session_token
+from lowtide.control.records import JobRecord, JobScope, TokenRecord
 from lowtide.domain.spec import JobSpec
 from lowtide.store.repo import Store
 from lowtide.store.token_codec import ALL_TEAMS
@@ -70,6 +73,9 @@ def authenticate(request: Request, store: Store, *, enabled: bool) -> Principal:
         return LOCAL_ADMIN
     header = request.headers.get("authorization")
     if not header:
+        by_cookie = session_token(request, store, request.app.state.ctx.clock.wall())  # the dashboard
+        if by_cookie is not None:
+            return _principal_of(by_cookie)
         raise ApiError(
             401,
             "unauthorized",
@@ -95,6 +101,10 @@ def authenticate(request: Request, store: Store, *, enabled: bool) -> Principal:
             [("header.Authorization", "unknown or revoked token")],
             _CHALLENGE,
         )
+    return _principal_of(token)
+
+
+def _principal_of(token: TokenRecord) -> Principal:
     return Principal(
         name=token.owner,
         role=token.role,
