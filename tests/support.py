@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
 import uvicorn
 import yaml
 from fastapi.testclient import TestClient
@@ -153,6 +154,44 @@ def step_attempt_token(lt: Embedded, job_id: str, step: str) -> tuple[int, str]:
         name="s", owner=f"step:{job_id}", role="step", now=lt.clock.now(), attempt_id=launch.attempt_id
     )
     return launch.attempt_id, token
+
+
+class GatewayLoad:
+    """Requests through a gateway, one after another, on a thread, until `stop()`: counts those
+    answered 200 (`ok`) and describes every other (`failed`)."""
+
+    def __init__(self, url: str, body: dict[str, Any] | None = None, pause_s: float = 0.01) -> None:
+        self.url = url
+        self.body = body if body is not None else {}
+        self.pause_s = pause_s
+        self.ok = 0
+        self.failed: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=30) as client:
+            while not self._stop.is_set():
+                try:
+                    r = client.post(self.url, json=self.body)
+                    if r.status_code == 200:
+                        self.ok += 1
+                    else:
+                        self.failed.append(f"{r.status_code} {r.text[:200]}")
+                except httpx.HTTPError as exc:
+                    self.failed.append(repr(exc))
+                self._stop.wait(self.pause_s)
+
+    def more(self, n: int, what: str) -> None:
+        """Wait until `n` more requests have been answered 200."""
+        then = self.ok
+        wait_until(lambda: self.ok >= then + n, timeout=30, what=what)
+
+    def stop(self) -> GatewayLoad:
+        self._stop.set()
+        self._thread.join(timeout=60)
+        return self
 
 
 def ensure_step_user() -> str:

@@ -33,7 +33,7 @@ from lowtide.adapters.gateway_supervisor import GatewayListen, GatewaySupervisor
 from lowtide.adapters.supervision import same_process
 from lowtide.control.executor_port import ProcessIdentity
 from reclaim_stack import free_ports
-from support import Served, wait_until
+from support import GatewayLoad, Served, wait_until
 
 SERVICE = "chat"
 
@@ -120,36 +120,6 @@ def routed_to(url: str) -> str | None:
     table within its poll interval, so a wait starts before it."""
     r = httpx.post(url + "/v1/x", json={}, timeout=30)
     return str(r.headers["x-lowtide-replica"]) if r.status_code == 200 else None
-
-
-class Load:
-    """Requests through the gateway, one after another, on a thread, until stopped; counts failures."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.ok = 0
-        self.failed: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=30) as client:
-            while not self._stop.is_set():
-                try:
-                    r = client.post(self.url + "/v1/x", json={})
-                    if r.status_code == 200:
-                        self.ok += 1
-                    else:
-                        self.failed.append(f"{r.status_code} {r.text[:200]}")
-                except httpx.HTTPError as exc:
-                    self.failed.append(repr(exc))
-                self._stop.wait(0.01)
-
-    def stop(self) -> Load:
-        self._stop.set()
-        self._thread.join(timeout=60)
-        return self
 
 
 def test_the_routing_table_is_written_atomically_private_and_only_when_it_changes(
@@ -261,7 +231,7 @@ def test_a_gateway_of_another_build_is_replaced_without_failing_a_request(
     wait_until(lambda: routed_to(gateways.url) == "chat/0", what="routing")
     old = first.pid()
     first.close()
-    load = Load(gateways.url)
+    load = GatewayLoad(gateways.url + "/v1/x")
     wait_until(lambda: load.ok >= 20, what="load to flow")
     second = gateways.supervisor(build="new")
     second.start()

@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ import pytest
 import yaml
 
 from reclaim_stack import consecutive_ports, free_ports, shim_groups
-from support import wait_until
+from support import GatewayLoad, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -75,39 +74,6 @@ class Lowtide:
         return int(json.loads((self.root / "state" / "gateway" / "gateway_shim.json").read_text())["pid"])
 
 
-class Load:
-    """Completions through the gateway, one after another, until stopped."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.ok = 0
-        self.failed: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=30) as client:
-            while not self._stop.is_set():
-                try:
-                    r = client.post(f"{self.url}/v1/completions", json=BODY)
-                    if r.status_code == 200:
-                        self.ok += 1
-                    else:
-                        self.failed.append(f"{r.status_code} {r.text[:200]}")
-                except httpx.HTTPError as exc:
-                    self.failed.append(repr(exc))
-                self._stop.wait(0.02)
-
-    def more(self, n: int, what: str) -> None:
-        then = self.ok
-        wait_until(lambda: self.ok >= then + n, timeout=30, what=what)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=60)
-
-
 @pytest.fixture
 def lowtide(tmp_path: Path) -> Iterator[Lowtide]:
     api_port, gw_port = free_ports(2)
@@ -150,7 +116,7 @@ def lowtide(tmp_path: Path) -> Iterator[Lowtide]:
 def test_requests_through_the_gateway_never_fail_while_lowtide_restarts(lowtide: Lowtide) -> None:
     lowtide.start()
     gateway = lowtide.gateway_pid()
-    load = Load(lowtide.gateway)
+    load = GatewayLoad(f"{lowtide.gateway}/v1/completions", BODY, pause_s=0.02)
     try:
         load.more(10, "requests to flow")
         for sig in (signal.SIGTERM, signal.SIGKILL):

@@ -15,19 +15,18 @@ clock (every time is passed in).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import secrets
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Self
+from typing import Self
 
 import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
 
 from lowtide.control.lease import Fence
-from lowtide.control.records import FencedOut
+from lowtide.control.records import FencedOut, StoreUnavailable
 from lowtide.control.store_health import Access, StoreHealth
 from lowtide.store.db import READONLY, SQLITE_BUSY_TIMEOUT_S, make_engine, migrate
 from lowtide.store.errors import unavailable
@@ -35,6 +34,9 @@ from lowtide.store.fence import check_fence
 from lowtide.store.schema import events, meta
 
 log = logging.getLogger("lowtide.store")
+
+#: During an outage, how long a write waits for this process's turn before it fails (seconds).
+OUTAGE_QUEUE_WAIT_S = 0.5
 
 
 class StoreBase:
@@ -45,9 +47,11 @@ class StoreBase:
         # SQLite has one writer at a time, and a writer that finds the lock taken polls for it
         # with growing sleeps (up to 100 ms each) until busy_timeout; this process's writers
         # queue on a mutex instead, so the next one starts the moment the lock is free.
-        self._write_lock: contextlib.AbstractContextManager[Any] = (
-            threading.RLock() if engine.dialect.name == "sqlite" else contextlib.nullcontext()
+        self._write_lock: threading.RLock | None = (
+            threading.RLock() if engine.dialect.name == "sqlite" else None
         )
+        #: How long a write waits for this process's turn (`open` sets the busy timeout).
+        self.lock_wait_s = SQLITE_BUSY_TIMEOUT_S
         #: Outages seen by this process (wiring replaces it with one on the shared clock).
         self.health = StoreHealth()
         #: The leader's fencing token, checked by every write (`lease_repo.fence_writes`).
@@ -61,17 +65,40 @@ class StoreBase:
         engine = make_engine(url, busy_timeout_s=busy_timeout_s)
         if migrate_schema:
             migrate(engine)
-        return cls(engine)
+        store = cls(engine)
+        store.lock_wait_s = busy_timeout_s
+        return store
 
     def close(self) -> None:
         self.engine.dispose()
 
     @contextmanager
     def _write(self, *, fenced: bool = True) -> Iterator[Connection]:
-        with self._classified("write"), self._write_lock, self.engine.begin() as conn:
+        with self._classified("write"), self._queued(), self.engine.begin() as conn:
             if fenced and self._fence is not None:  # a leader's writes carry its token (store.fence)
                 check_fence(conn, self._fence, self.on_fenced)
             yield conn
+
+    @contextmanager
+    def _queued(self) -> Iterator[None]:
+        """This process's turn to write (SQLite). The wait is bounded like the database's own
+        lock wait, and during an outage to `OUTAGE_QUEUE_WAIT_S`: writers queued behind one that
+        waits out a held lock would otherwise each wait their own busy timeout in turn (an API
+        request would hang for many of them instead of answering 503)."""
+        lock = self._write_lock
+        if lock is None:  # PostgreSQL: writers do not queue here
+            yield
+            return
+        wait_s = OUTAGE_QUEUE_WAIT_S if self.health.outage() is not None else self.lock_wait_s
+        if not lock.acquire(timeout=wait_s):
+            raise StoreUnavailable(
+                f"sqlite: the database is locked (another write of this process has waited for it "
+                f"for {wait_s:g}s)"
+            )
+        try:
+            yield
+        finally:
+            lock.release()
 
     @contextmanager
     def _read(self) -> Iterator[Connection]:
