@@ -642,6 +642,9 @@ class Settings(BaseSettings):
     state_dir: str = ".lowtide"
     #: SQLAlchemy URL; default ``sqlite:///<state_dir>/lowtide.db``; production: ``postgresql+psycopg://...``
     store_url: str | None = None
+    #: How long `lowtide up` waits for a store that does not answer yet (a database still starting)
+    #: before it gives up; every try is logged.
+    store_start_timeout: float = Field(default=300.0, ge=0, le=86400, allow_inf_nan=False)
     #: How long a write waits for a lock another connection holds before it fails as a store
     #: outage (SQLite busy_timeout, PostgreSQL lock_timeout; retried; docs/architecture.md §4.4).
     store_busy_timeout: float = Field(default=5.0, gt=0, le=600, allow_inf_nan=False)
@@ -673,7 +676,7 @@ class Settings(BaseSettings):
                 raise ValueError(f"{name!r} is not a valid secret name (lowercase letters, digits, '-')")
         return v
 
-    @field_validator("store_busy_timeout", mode="before")
+    @field_validator("store_busy_timeout", "store_start_timeout", mode="before")
     @classmethod
     def _busy(cls, v: Any) -> float:
         return parse_duration(v)

@@ -26,6 +26,7 @@ from typing import TextIO
 
 import uvicorn
 from fastapi import FastAPI
+from sqlalchemy.engine import make_url
 
 from lowtide.adapters.container import (
     ContainerRuntime,
@@ -71,6 +72,7 @@ from lowtide.domain.gpus import Node
 from lowtide.domain.layout import ArtifactLayout
 from lowtide.policy.accounting import AccountingPolicy
 from lowtide.policy.outcomes import RetryPolicy
+from lowtide.store.errors import unavailable
 from lowtide.store.repo import Store
 
 log = logging.getLogger("lowtide")
@@ -230,6 +232,53 @@ def preflight(settings: Settings, *, engine_timeout_s: float = 15.0) -> list[str
     return warnings
 
 
+#: The longest pause between two tries to open a store that is not there yet (seconds).
+STORE_OPEN_RETRY_MAX_S = 10.0
+
+
+def open_store(
+    settings: Settings,
+    *,
+    opener: Callable[[str, float], Store] = lambda url, busy: Store.open(url, busy_timeout_s=busy),
+    sleep: Callable[[float], None] = time.sleep,
+    monotonic: Callable[[], float] = time.monotonic,
+) -> Store:
+    """Open (and migrate) the store, waiting up to `store_start_timeout` for one that is not there
+    yet (a database still starting, a lock held): each failure that may pass is logged and tried
+    again with a growing pause. Raises ServeError when the wait is over, ConfigError (naming
+    `store_url`) for a failure that will not pass by waiting (a refused login, a bad URL)."""
+    url = settings.database_url
+    shown = sa_url_for_humans(url)
+    deadline = monotonic() + settings.store_start_timeout
+    pause = 0.5
+    while True:
+        try:
+            return opener(url, settings.store_busy_timeout)
+        except Exception as exc:
+            outage = unavailable(exc)
+            if outage is None:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise ConfigError(f"store_url {shown}: cannot open the store: {first}") from exc
+            left = deadline - monotonic()
+            if left <= 0:
+                raise ServeError(
+                    f"store_url {shown}: the store did not answer within {settings.store_start_timeout:g}s "
+                    f"(store_start_timeout): {outage.reason}"
+                ) from exc
+            wait = min(pause, left)
+            log.warning("waiting for the store %s: %s; trying again in %.1fs", shown, outage.reason, wait)
+            sleep(wait)
+            pause = min(STORE_OPEN_RETRY_MAX_S, pause * 2)
+
+
+def sa_url_for_humans(url: str) -> str:
+    """A store URL without its password, for messages."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # not a URL SQLAlchemy can parse: say nothing of it but its scheme
+        return url.split("://", 1)[0] + "://…"
+
+
 class _LateCall:
     """A callback whose target is bound later (the loop is built after the adapters that wake it)."""
 
@@ -298,7 +347,7 @@ def build(settings: Settings, *, clock: Clock | None = None) -> Embedded:
     pin_boot_time(state / BOOT_TIME_FILE)  # process identities that survive a clock step (§4.3)
     users = job_users(settings)
     runtime = _runtime(settings)
-    store = Store.open(settings.database_url, busy_timeout_s=settings.store_busy_timeout)
+    store = open_store(settings)
     store.health = StoreHealth(clock)  # outages timed on control time (docs/architecture.md §4.4)
     # A process ending or a replica answering wakes the loop at once (bound once the loop exists).
     wake = _LateCall()

@@ -212,7 +212,8 @@ def test_bad_requests_from_the_cli_exit_2_with_the_reason(server: Server, tmp_pa
 def test_kill_9_of_the_control_plane_loses_no_job_and_leaves_no_orphan(
     server: Server, tmp_path: Path
 ) -> None:
-    job = json.loads(server.cli("submit", str(DAG), "-p", "steps=250", "--json", check=True).stdout)["id"]
+    # Long enough (~10 s) that the step still runs when a CLI call under load has seen it.
+    job = json.loads(server.cli("submit", str(DAG), "-p", "steps=800", "--json", check=True).stdout)["id"]
     queued = json.loads(server.cli("submit", str(DAG), "-p", "steps=20", "--json", check=True).stdout)["id"]
 
     def train_running() -> dict[str, Any] | None:
