@@ -101,6 +101,14 @@ class Server:
     def json(self, *args: str) -> Any:
         return json.loads(self.cli(*args, "--json", check=True).stdout)
 
+    def api(self, path: str) -> Any:
+        """GET `path` from the API as admin: polling through the CLI costs an interpreter start
+        per look, seconds on a loaded machine, and a short step can come and go between two."""
+        token = self.token_file.read_text().strip()
+        r = httpx.get(f"{self.url}{path}", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        r.raise_for_status()
+        return r.json()
+
 
 def shims_of(instance_hint: Path) -> list[psutil.Process]:
     """Step shims whose work directory lies under this test's state (our processes only)."""
@@ -217,11 +225,11 @@ def test_kill_9_of_the_control_plane_loses_no_job_and_leaves_no_orphan(
     queued = json.loads(server.cli("submit", str(DAG), "-p", "steps=20", "--json", check=True).stdout)["id"]
 
     def train_running() -> dict[str, Any] | None:
-        d = server.json("show", job)
+        d = server.api(f"/v1/jobs/{job}")
         att = [a for a in d["attempts"] if a["step"] == "train" and a["state"] == "RUNNING"]
         return att[0] if att and att[0]["pid"] else None
 
-    train = wait_until(train_running, timeout=60, what="train to run")
+    train = wait_until(train_running, timeout=120, interval=0.2, what="train to run")
     server.kill9()
     assert psutil.pid_exists(train["pid"]), "the step died with the control plane"
 

@@ -132,6 +132,11 @@ class TickReport:
     #: The store was unavailable for part of this tick: what it could not record is retried.
     store_unavailable: bool = False
 
+    def store_failed(self) -> None:
+        """An item met `StoreUnavailable`: count it, and leave the other writes to the next tick."""
+        self.errors += 1
+        self.store_unavailable = True
+
 
 @dataclass(frozen=True, slots=True)
 class InfrastructureAlert:
@@ -295,8 +300,7 @@ class ControlLoop:
                 now=now, nodes=self.settings.nodes, half_life_s=self.settings.scheduler.fair_share.half_life_s
             )
         except StoreUnavailable:  # nothing to decide on: the next tick (soon) tries again
-            report.errors += 1
-            report.store_unavailable = True
+            report.store_failed()
             return self._end_tick(report, now)
         due_times = [q.eligible_at for q in snapshot.queued if q.eligible_at > now]
         inference: InferenceTick | None = None
@@ -330,8 +334,7 @@ class ControlLoop:
                 self._give_notice(due.attempt_id, due.grace_seconds, due.step_state, now)
                 report.notices += 1
             except StoreUnavailable:  # notice was sent; the record is retried next tick
-                report.errors += 1
-                report.store_unavailable = True
+                report.store_failed()
             except Exception:
                 report.errors += 1
                 log.exception("giving notice to attempt %s failed", due.attempt_id)
@@ -353,8 +356,7 @@ class ControlLoop:
                 if self._start(start, now):
                     report.started += 1
             except StoreUnavailable:
-                report.errors += 1
-                report.store_unavailable = True
+                report.store_failed()
             except Exception:
                 report.errors += 1
                 log.exception("starting %s/%s failed", start.job_id, start.step)
@@ -426,8 +428,7 @@ class ControlLoop:
         except NotFound as exc:
             log.warning("exit of attempt %s not recorded: %s", ex.attempt_id, exc)
         except StoreUnavailable:
-            report.errors += 1
-            report.store_unavailable = True
+            report.store_failed()
             return False
         except Exception:
             report.errors += 1
@@ -486,8 +487,7 @@ class ControlLoop:
         try:
             self._on_lost(attempt_id, now)
         except StoreUnavailable:
-            report.errors += 1
-            report.store_unavailable = True
+            report.store_failed()
             return
         except NotFound:
             pass
@@ -550,8 +550,7 @@ class ControlLoop:
             try:
                 budgets.append(self._budget(att))
             except StoreUnavailable:
-                report.errors += 1
-                report.store_unavailable = True
+                report.store_failed()
             except Exception:
                 report.errors += 1
                 log.exception("reading the walltime of attempt %s failed", att.id)
@@ -566,8 +565,7 @@ class ControlLoop:
                 if self._give_timeout_notice(budget, now):
                     report.notices += 1
             except StoreUnavailable:
-                report.errors += 1
-                report.store_unavailable = True
+                report.store_failed()
             except Exception:
                 report.errors += 1
                 log.exception("giving timeout notice to attempt %s failed", budget.attempt_id)
@@ -906,8 +904,7 @@ class ControlLoop:
                     message=decision.message,
                 )
         except StoreUnavailable:
-            report.errors += 1
-            report.store_unavailable = True
+            report.store_failed()
             return
         except NotFound:
             pass
@@ -964,8 +961,7 @@ class ControlLoop:
         try:
             return fn()
         except StoreUnavailable:  # logged once per outage by the store; the next tick retries
-            report.errors += 1
-            report.store_unavailable = True
+            report.store_failed()
             return default
         except Exception:
             report.errors += 1
