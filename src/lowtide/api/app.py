@@ -211,9 +211,10 @@ def create_app(ctx: ApiContext) -> FastAPI:
 
     # -- jobs ----------------------------------------------------------------------------------
 
-    def _parse(data: bytes, fmt: str, param: list[str] | None, who: Principal) -> JobSpec:
+    def _overrides(param: list[str] | None) -> tuple[dict[str, Any], dict[str, str]]:
+        """`?param=k=v` overrides and where each one's problems are reported; 422 if unreadable."""
         overrides: dict[str, Any] = {}
-        locs: dict[str, str] = {}  # where each override's problems are reported
+        locs: dict[str, str] = {}
         issues: list[tuple[str, str]] = []
         for i, text in enumerate(param or []):
             try:
@@ -223,6 +224,10 @@ def create_app(ctx: ApiContext) -> FastAPI:
                 issues.append((f"query.param[{i}]", str(exc)))
         if issues:
             raise ApiError(422, "invalid_spec", "invalid parameter override", issues)
+        return overrides, locs
+
+    def _parse(data: bytes, fmt: str, param: list[str] | None, who: Principal) -> JobSpec:
+        overrides, locs = _overrides(param)
         try:
             doc = parse_document(data, fmt=fmt)  # type: ignore[arg-type]
             spec = build_job_spec(
@@ -384,23 +389,28 @@ def create_app(ctx: ApiContext) -> FastAPI:
         status_code=201,
         response_model=schemas.JobOut,
         responses={404: {"model": schemas.ErrorOut}},
-        summary="Submit a new job from a job's recorded spec and parameters",
+        summary="Submit a new job from a job's recorded spec and parameters (?param=k=v changes some)",
     )
-    def rerun_job(who: Who, job_id: str, response: Response, key: IdemKey) -> schemas.JobOut:
+    def rerun_job(
+        who: Who, job_id: str, response: Response, key: IdemKey, param: Params = None
+    ) -> schemas.JobOut:
         require_people(who)
         job = _found(lambda: ctx.store.job(job_id))
         require_visible(who, job)
         require_submitter(who)
+        overrides, locs = _overrides(param)
         try:
             spec = build_job_spec(
                 dict(job.spec),
                 max_gpus_per_node=ctx.max_gpus_per_node,
                 max_steps_per_job=ctx.max_steps_per_job,
+                param_overrides=overrides,
+                override_locs=locs,
             )
-        except SpecInvalid as exc:  # the pool shrank since: say so, located
+        except SpecInvalid as exc:  # the pool shrank since, or a bad ?param=: say so, located
             raise _spec_error(exc) from exc
         _govern(spec, who)  # the rerun is the caller's job: their token must allow it
-        digest = idempotency.request_digest("rerun", [job_id])
+        digest = idempotency.request_digest("rerun", [job_id, *(param or [])])
         new_job = _create(
             spec, job.source_text, who.name, rerun_of=job_id, key=key, digest=digest, response=response
         )

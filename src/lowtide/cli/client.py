@@ -109,8 +109,12 @@ class Client:
                 slept += pause
                 wait = min(MAX_RETRY_WAIT_S, wait * 2)
 
-    def stream_logs(self, job: str, step: str, *, attempt: int | None, follow: bool) -> Iterator[bytes]:
+    def stream_logs(
+        self, job: str, step: str, *, attempt: int | None, follow: bool, offset: int = 0
+    ) -> Iterator[bytes]:
         params: dict[str, Any] = {"follow": follow}
+        if offset:
+            params["offset"] = offset
         if attempt is not None:
             params["attempt"] = attempt
         try:
