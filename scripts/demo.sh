@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The lowtide demo: an embedded control plane on declared GPUs (no GPU needed), a real 3-step
+# `make demo-cli`: the CLI walk-through: an embedded control plane on declared GPUs (no GPU needed), a real 3-step
 # job (prep -> train -> eval) and a templated job, then the pool, the job record and metrics.
 # Leaves nothing running. State goes to .lowtide-demo/ (fresh each run).
 set -euo pipefail

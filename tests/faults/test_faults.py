@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from conftest import require_service
 from faults.harness import PG_ADMIN_URL, Outcome, Plan, run_chaos
 
-pytestmark = [pytest.mark.slow, pytest.mark.faults]
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 def assert_clean(outcome: Outcome) -> None:
