@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: venv demo demo-cli test test-fast lint fmt bench chaos clean prometheus step-user nginx web
+.PHONY: venv torch demo demo-cli test test-fast lint fmt bench chaos clean prometheus step-user nginx web
 
 venv: $(STAMP)
 
@@ -60,7 +60,12 @@ prometheus:
 # Three workers (pytest-xdist): most tests wait on processes, so 3 beat 2 on two cores. The
 # `serial` tests (the fault harness: a takeover within the lease, exits within a tick of recovery;
 # the compressed demo day) are timed stories, so they run alone afterwards, on a quiet machine.
-test: lint web prometheus step-user
+# PyTorch's CPU wheel (torch==2.13.0: pip takes it from this machine's local index) for the
+# demo's SFT trainer and its test; make demo installs it the same way.
+torch: venv
+	@$(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/python -m pip install --quiet torch==2.13.0
+
+test: lint web prometheus step-user torch
 	$(BIN)/pytest -q -n 3 -m "not serial"
 	$(BIN)/pytest -q -m serial
 

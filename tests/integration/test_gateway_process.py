@@ -154,10 +154,15 @@ def test_the_gateway_outlives_lowtide_is_adopted_and_applies_a_drain_while_lowti
     pid = sup.pid()
     sup.set_backends(SERVICE, {"chat/0": a.url})
     wait_until(lambda: routed_to(gateways.url) == "chat/0", what="routing to chat/0")
-    slow: dict[str, httpx.Response] = {}
-    request = threading.Thread(
-        target=lambda: slow.update(r=httpx.post(gateways.url + "/v1/slow", json={}, timeout=60)), daemon=True
-    )
+    slow: dict[str, httpx.Response | Exception] = {}
+
+    def slow_request() -> None:
+        try:
+            slow["r"] = httpx.post(gateways.url + "/v1/slow", json={}, timeout=60)
+        except Exception as exc:  # shown by the assertion below
+            slow["r"] = exc
+
+    request = threading.Thread(target=slow_request, daemon=True)
     request.start()
     wait_until(lambda: sup.in_flight(SERVICE, "chat/0") == 1, what="the slow request in flight")
     # Drain chat/0 (chat/1 takes the new requests); then lowtide goes away.
@@ -168,8 +173,10 @@ def test_the_gateway_outlives_lowtide_is_adopted_and_applies_a_drain_while_lowti
     wait_until(lambda: routed_to(gateways.url) == "chat/1", what="the new table applied")
     assert {served_by(gateways.url) for _ in range(5)} == {"chat/1"}
     a.gate.set()
-    request.join(timeout=30)
-    assert slow["r"].status_code == 200 and slow["r"].json() == {"backend": "a", "slow": True}
+    request.join(timeout=60)
+    answer = slow.get("r")
+    assert isinstance(answer, httpx.Response), f"the drained request got no answer: {answer!r}"
+    assert answer.status_code == 200 and answer.json() == {"backend": "a", "slow": True}
     # The next lowtide adopts the same process and sees the drain finished.
     again = gateways.supervisor()
     again.start()

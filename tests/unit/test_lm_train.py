@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import require_service
+
 
 def run(tmp_path: Path, backend: str, *args: str, resume: str | None = None) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOWTIDE_")}
@@ -62,5 +64,8 @@ def test_numpy_trainer_checkpoints_on_notice_and_resumes(tmp_path: Path) -> None
 
 @pytest.mark.slow  # two imports of torch: seconds each on a busy machine
 def test_torch_trainer_checkpoints_on_notice_and_resumes(tmp_path: Path) -> None:
-    pytest.importorskip("torch", reason="PyTorch is optional (make demo installs it); numpy is tested above")
+    try:
+        import torch  # noqa: F401, PLC0415 (optional: make test and make demo install the CPU wheel)
+    except ImportError:
+        require_service("torch", "PyTorch is not installed (make test installs torch==2.13.0, the CPU wheel)")
     check_trainer(tmp_path, "torch")
