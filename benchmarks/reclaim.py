@@ -44,7 +44,6 @@ import os
 import platform
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -61,6 +60,7 @@ import yaml
 from harness import MARKER_ENV, free_port, kill_marked, percentile, ps_leftovers, stop_process
 from prometheus_client.parser import text_string_to_metric_families
 
+from lowtide.adapters.net import free_port_block
 from lowtide.emulator.loadgen import LoadReport, run_load
 from lowtide.emulator.traces import FixedTokens, synthetic
 
@@ -129,23 +129,7 @@ def summary(values: list[float]) -> dict[str, Any]:
 
 
 def free_port_range(n: int) -> int:
-    # Start at a place of this process's own: two runs side by side would otherwise both find
-    # the same free range before either binds it.
-    first = 24000 + (os.getpid() % 300) * 89
-    for base in [*range(first, 60000, 89), *range(24000, first, 89)]:
-        socks: list[socket.socket] = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free range of ports")
+    return free_port_block(n)
 
 
 def wait_for(what: str, probe: Callable[[], _T | None], timeout: float, every: float = 0.1) -> _T:

@@ -41,6 +41,8 @@ import httpx
 import psutil
 import yaml
 
+from lowtide.adapters.net import free_port_block
+
 REPO = Path(__file__).resolve().parents[1]
 DAY_S = 86400.0
 #: The jobs of the day: (spec file, parameters, the part of the day their training runs). A step's
@@ -92,22 +94,7 @@ def free_port() -> int:
 
 
 def consecutive_ports(n: int, avoid: set[int]) -> int:
-    for base in range(23000, 60000, 97):
-        if avoid & set(range(base, base + n)):
-            continue
-        socks: list[socket.socket] = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free block of ports")
+    return free_port_block(n, start=23000, avoid=avoid)
 
 
 def reachable_by_others(paths: list[Path]) -> bool:

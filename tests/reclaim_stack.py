@@ -27,6 +27,7 @@ import httpx
 import psutil
 import yaml
 
+from lowtide.adapters.net import free_port_block
 from lowtide.emulator.loadgen import LoadReport, run_load
 from lowtide.emulator.traces import TraceRequest
 from support import wait_until
@@ -42,20 +43,7 @@ def free_ports(n: int) -> list[int]:
 
 
 def consecutive_ports(n: int) -> int:
-    for base in range(31000, 60000, 89):
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
+    return free_port_block(n, start=31000)
 
 
 @dataclass

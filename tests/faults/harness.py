@@ -75,6 +75,7 @@ import sqlalchemy as sa
 import yaml
 
 from lowtide.adapters.local_executor import TAG_ENV as STEP_TAG_ENV
+from lowtide.adapters.net import free_port_block
 from lowtide.adapters.replica_processes import REPLICA_TAG_ENV
 from lowtide.adapters.supervision import SHIM_MODULE
 from lowtide.emulator.loadgen import LoadReport, run_load
@@ -254,20 +255,7 @@ def free_port() -> int:
 
 
 def consecutive_ports(n: int, rng_base: int) -> int:
-    for base in [*range(rng_base, 60000, 97), *range(24000, rng_base, 97)]:
-        socks: list[socket.socket] = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return int(base)
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free range of ports")
+    return free_port_block(n, start=rng_base)
 
 
 def wait_for(what: str, probe: Callable[[], Any], timeout: float, every: float = 0.1) -> Any:

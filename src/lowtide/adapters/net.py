@@ -8,6 +8,7 @@ response waits for a delayed ACK (~40 ms per request). Must not: start servers.
 
 from __future__ import annotations
 
+import os
 import socket
 
 
@@ -27,3 +28,30 @@ def bind_tcp(host: str, port: int, *, reuse_port: bool = False) -> socket.socket
         sock.close()
         raise
     return sock
+
+
+def free_port_block(
+    n: int, *, start: int | None = None, avoid: frozenset[int] | set[int] = frozenset()
+) -> int:
+    """The first port of `n` consecutive loopback ports that are free now (none in `avoid`), for
+    the replicas of a service (`base_port` + slot) in tests, benchmarks and the demo. The search
+    starts at `start`, by default at a place of this process's own (two runs side by side would
+    otherwise both find the same block before either binds it), and wraps around. The ports are
+    free when checked, not reserved. Raises RuntimeError when no block is free."""
+    first = start if start is not None else 24000 + (os.getpid() % 300) * 97
+    for base in [*range(first, 60000, 97), *range(24000, first, 97)]:
+        if avoid & set(range(base, base + n)):
+            continue
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return int(base)
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no block of {n} free loopback ports")
