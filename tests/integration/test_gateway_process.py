@@ -118,8 +118,20 @@ def served_by(url: str, path: str = "/v1/x") -> str:
 def routed_to(url: str) -> str | None:
     """The replica that served a request, or None when none did (yet): the gateway applies a new
     table within its poll interval, so a wait starts before it."""
-    r = httpx.post(url + "/v1/x", json={}, timeout=30)
+    try:
+        r = httpx.post(url + "/v1/x", json={}, timeout=30)
+    except httpx.HTTPError:  # no gateway listening (yet)
+        return None
     return str(r.headers["x-lowtide-replica"]) if r.status_code == 200 else None
+
+
+def routing_to(gateways: Gateways, url: str) -> GatewaySupervisor:
+    """A started supervisor whose gateway routes every request to `url` (as chat/0)."""
+    sup = gateways.supervisor()
+    sup.start()
+    sup.set_backends(SERVICE, {"chat/0": url})
+    wait_until(lambda: routed_to(gateways.url) == "chat/0", what="routing to chat/0")
+    return sup
 
 
 def test_the_routing_table_is_written_atomically_private_and_only_when_it_changes(
@@ -149,11 +161,8 @@ def test_the_gateway_outlives_lowtide_is_adopted_and_applies_a_drain_while_lowti
     gateways: Gateways, backends: tuple[Backend, Backend]
 ) -> None:
     a, b = backends
-    sup = gateways.supervisor()
-    sup.start()
+    sup = routing_to(gateways, a.url)
     pid = sup.pid()
-    sup.set_backends(SERVICE, {"chat/0": a.url})
-    wait_until(lambda: routed_to(gateways.url) == "chat/0", what="routing to chat/0")
     slow: dict[str, httpx.Response | Exception] = {}
 
     def slow_request() -> None:
@@ -191,21 +200,12 @@ def test_a_killed_gateway_is_restarted_while_lowtide_runs_and_routing_resumes(
     gateways: Gateways, backends: tuple[Backend, Backend]
 ) -> None:
     a, _ = backends
-    sup = gateways.supervisor()
-    sup.start()
-    sup.set_backends(SERVICE, {"chat/0": a.url})
-    wait_until(lambda: routed_to(gateways.url) == "chat/0", what="routing")
+    sup = routing_to(gateways, a.url)
     old = sup.pid()
     assert old is not None
     os.killpg(old, signal.SIGKILL)
     wait_until(lambda: sup.pid() not in (None, old), timeout=30, what="a new gateway process")
-
-    def routes_again() -> bool:
-        with contextlib.suppress(httpx.HTTPError, AssertionError):
-            return served_by(gateways.url) == "chat/0"
-        return False
-
-    wait_until(routes_again, timeout=30, what="routing to resume")
+    wait_until(lambda: routed_to(gateways.url) == "chat/0", timeout=30, what="routing to resume")
 
 
 def test_a_dead_gateway_is_started_on_the_next_start(
