@@ -1,7 +1,8 @@
 """`lowtide doctor` against the vLLM stand-in run as a real process (`lowtide emulate vllm`), the
 CLI run as a real process too: with and without dev mode (VLLM_SERVER_DEV_MODE), bound to
 127.0.0.1 and to 0.0.0.0, nothing listening, a server whose answers carry terminal escapes, and
-bad usage (exit 2)."""
+bad usage (exit 2); and the configuration's checks (`--config-only`, `--service`): sleep mode and
+dev mode for `park: sleep`, a loopback `--host` in a configured command."""
 
 from __future__ import annotations
 
@@ -221,3 +222,87 @@ def test_service_resolves_to_its_replica_port_and_park_mode(
     code, out, _ = doctor("-c", str(config), "doctor", "--service", "chat", "--json", cwd=tmp_path)
     assert json.loads(out)["url"] == url
     assert code == 1 and checks(out)["sleep"]["status"] == "missing"  # park: sleep from the config
+    # the service's configuration is checked first: lowtide's default command and environment
+    assert checks(out)["config.chat.dev_mode"]["status"] == "ok"
+    assert checks(out)["config.chat.host"]["status"] == "ok"
+
+
+# -- the configuration's checks (--config-only, --service) ------------------------------------------
+
+CONFIG = """\
+services:
+  - name: chat          # park: sleep, its own command without --enable-sleep-mode or --host
+    model: m
+    park: sleep
+    command: [vllm, serve, "{model}", --port, "{port}"]
+  - name: code          # dev mode turned off in env, the command bound to every interface
+    model: m
+    park: sleep
+    base_port: 8200
+    env: {VLLM_SERVER_DEV_MODE: "0"}
+    command: [vllm, serve, "{model}", --enable-sleep-mode, --host, 0.0.0.0, --port, "{port}"]
+  - name: wrapped       # everything inside a shell string; a dev mode value vLLM's int() rejects
+    model: m
+    park: sleep
+    base_port: 8300
+    command:
+      - bash
+      - -c
+      - VLLM_SERVER_DEV_MODE=true exec vllm serve {model} --enable-sleep-mode --host=localhost --port {port}
+  - name: emu           # lowtide's emulator: it always sleeps and has no --enable-sleep-mode
+    model: m
+    park: sleep
+    base_port: 8400
+    command: ["{python}", -m, lowtide, emulate, vllm, --host, 127.0.0.1, --port, "{port}", --model, "{model}"]
+  - name: plain         # lowtide's default command
+    model: m
+    base_port: 8500
+"""
+
+
+def test_config_only_names_each_service_and_the_fix_without_contacting_a_replica(tmp_path: Path) -> None:
+    config = tmp_path / "lowtide.yaml"
+    config.write_text(CONFIG)
+    code, out, err = doctor("-c", str(config), "doctor", "--config-only", "--json", cwd=tmp_path)
+    assert code == 0, err  # warnings only: the node's environment or a wrapper may supply what is missing
+    report = json.loads(out)
+    assert report["ok"] is True and report["url"] is None
+    got = {c["name"]: (c["status"], c["detail"]) for c in report["checks"]}
+    assert all(not c["required"] for c in report["checks"])
+    assert {n: s for n, (s, _) in got.items()} == {
+        "config.chat.dev_mode": "ok",  # lowtide sets VLLM_SERVER_DEV_MODE=1 for park: sleep
+        "config.chat.sleep_mode": "warning",
+        "config.chat.host": "warning",
+        "config.code.dev_mode": "warning",
+        "config.code.sleep_mode": "ok",
+        "config.code.host": "warning",
+        "config.wrapped.dev_mode": "warning",
+        "config.wrapped.sleep_mode": "ok",
+        "config.wrapped.host": "ok",
+        "config.emu.dev_mode": "ok",
+        "config.emu.host": "ok",
+        "config.plain.host": "ok",
+    }
+    sleep_mode = got["config.chat.sleep_mode"][1]
+    assert "'chat'" in sleep_mode and "lacks --enable-sleep-mode" in sleep_mode
+    assert "Add --enable-sleep-mode in services[].command" in sleep_mode
+    assert "has no --host" in got["config.chat.host"][1] and "--host 127.0.0.1" in got["config.chat.host"][1]
+    dev_mode = got["config.code.dev_mode"][1]
+    assert (
+        "'code'" in dev_mode and "VLLM_SERVER_DEV_MODE='0'" in dev_mode and "turns dev mode off" in dev_mode
+    )
+    assert 'VLLM_SERVER_DEV_MODE: "1" in services[].env' in dev_mode
+    assert "--host 0.0.0.0, not a loopback address" in got["config.code.host"][1]
+    assert "'true' in the command" in got["config.wrapped.dev_mode"][1]
+    assert "int()" in got["config.wrapped.dev_mode"][1]
+    assert "127.0.0.1" in got["config.plain.host"][1]
+    # the text form says the same, one line a check, and names no replica URL
+    code, text, _ = doctor("-c", str(config), "doctor", "--config-only", cwd=tmp_path)
+    assert code == 0 and "no replica contacted" in text
+    assert "config.chat.sleep_mode" in text and "lacks --enable-sleep-mode" in text
+    assert "everything lowtide needs is there" in text
+
+
+def test_config_only_is_its_own_mode() -> None:
+    code, _, err = doctor("doctor", "--config-only", "--url", "http://127.0.0.1:1")
+    assert code == 2 and "without --url, --service or --park" in err

@@ -31,8 +31,11 @@ from typer.testing import CliRunner, Result
 
 from conftest import require_service
 from lowtide.adapters.metrics_sources import PromQLSource, ScrapeSource, instance_of
+from lowtide.api.services import signals_out
 from lowtide.cli.metrics_cmd import metrics_app
 from lowtide.domain.metrics import ReplicaSignals, ServiceSignals
+from lowtide.emulator.engine import Engine, EngineConfig
+from lowtide.emulator.vllm_metrics_export import VllmMetricsExporter
 from support import wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures" / "metrics"))
@@ -225,6 +228,34 @@ def test_old_readings_are_dropped_and_the_window_stays_bounded(
     assert len(window) == int(scrape_source.retention_s / 10) + 1
 
 
+def test_the_newer_vllm_families_reach_the_signals_and_the_api(
+    servers: StartServer, scrape_source: ScrapeSource
+) -> None:
+    """The emulator's `/metrics` (waiting by reason, preemptions, sleep state as current vLLM
+    exports them) through a real scrape: a preemption rate, KV pressure and the sleep state."""
+    clock = [0.0]
+    # A cache that holds one of two sequences: the newer one is preempted while the other runs.
+    engine = Engine(EngineConfig(cold_start_s=0.0, kv_cache_tokens=160, max_model_len=160), lambda: clock[0])
+    exporter = VllmMetricsExporter(engine, "m")
+    server = servers(lambda: (200, exporter.render().decode()))
+    first = scrape_source.collect("svc", {"svc/0": server.url}, T0)
+    assert first.replicas[0].preemptions_per_s is None  # one reading: no rate yet
+    for _ in range(2):
+        engine.submit(prompt_tokens=60, max_tokens=40)
+    while engine.stats.preemptions == 0 and (end := engine.next_event_at()) is not None:
+        clock[0] = end
+        engine.advance()
+    second = scrape_source.collect("svc", {"svc/0": server.url}, T0 + 10)
+    s = second.replicas[0]
+    assert not s.stale
+    assert s.preemptions_per_s == pytest.approx(engine.stats.preemptions / 10)
+    assert s.waiting_capacity == engine.num_waiting > 0 and s.waiting_deferred == 0.0
+    assert (s.sleep_state, s.kv_pressure) == ("awake", True)
+    engine.sleep(level=1)
+    shown = signals_out(scrape_source.collect("svc", {"svc/0": server.url}, T0 + 20).replicas[0])
+    assert (shown.sleep_state, shown.waiting_capacity) == ("weights_offloaded", 0.0)
+
+
 def test_collect_never_raises(scrape_source: ScrapeSource) -> None:
     result = scrape_source.collect("svc", {"svc/0": "not a url", "svc/1": "http://[::1"}, T0)
     assert all(r.stale and r.stale_reason.startswith("scrape failed:") for r in result.replicas)
@@ -242,7 +273,8 @@ def linear_vllm_text(elapsed: float, *, v0: bool = False) -> str:
     Per second (all engines together): 200 prompt tokens, 50 generation tokens, 2 requests,
     10 TTFT observations (4 in (0.04, 0.06], 4 in (0.06, 0.08], 2 in (0.25, 0.5]) and, in V1 only,
     2 e2e observations in (1.0, 1.5]. Gauges: running 3 + 5, waiting 1 + 0, KV 0.25 / 0.75 (a V0
-    server: running 2, waiting 4, KV 0.3).
+    server: running 2, waiting 4, KV 0.3). V1 only, as newer vLLM: waiting by reason (capacity
+    1 + 0, deferred 0 + 0), 0.5 preemptions per second and every engine asleep at level 1.
     """
     engines = [""] if v0 else ['engine="0",', 'engine="1",']
     share = 1 / len(engines)
@@ -271,6 +303,18 @@ def linear_vllm_text(elapsed: float, *, v0: bool = False) -> str:
         lines += [f"{name}{{{e}{model}}} {v}" for e, v in zip(engines, values, strict=True)]
     family("vllm:cache_config_info", "gauge")
     lines += [f'vllm:cache_config_info{{block_size="16",{e}num_gpu_blocks="2048"}} 1.0' for e in engines]
+    if not v0:
+        family("vllm:num_requests_waiting_by_reason", "gauge")
+        for reason, values in (("capacity", (1.0, 0.0)), ("deferred", (0.0, 0.0))):
+            lines += [
+                f'vllm:num_requests_waiting_by_reason{{{e}{model},reason="{reason}"}} {v}'
+                for e, v in zip(engines, values, strict=True)
+            ]
+        family("vllm:engine_sleep_state", "gauge")
+        for state, v in (("awake", 0.0), ("weights_offloaded", 1.0), ("discard_all", 0.0)):
+            lines += [f'vllm:engine_sleep_state{{{e}{model},sleep_state="{state}"}} {v}' for e in engines]
+        family("vllm:num_preemptions_total", "counter")
+        lines += [f"vllm:num_preemptions_total{{{e}{model}}} {0.5 * share * elapsed!r}" for e in engines]
     for name, per_s in (("vllm:prompt_tokens_total", 200), ("vllm:generation_tokens_total", 50)):
         family(name, "counter")
         lines += [f"{name}{{{e}{model}}} {per_s * share * elapsed!r}" for e in engines]
@@ -390,6 +434,10 @@ def test_promql_signals_match_the_served_load(prometheus: dict[str, str]) -> Non
     assert v1.ttft_p90_s == pytest.approx(0.25 + 0.25 * (9 - 8) / 2)  # rank 9
     assert v1.ttft_p99_s == pytest.approx(0.25 + 0.25 * (9.9 - 8) / 2)  # rank 9.9
     assert v1.e2e_p50_s == pytest.approx(1.0 + 0.5 * 1 / 2)  # 2 in (1.0, 1.5], rank 1
+    assert (v1.waiting_capacity, v1.waiting_deferred) == (1.0, 0.0)
+    assert v1.preemptions_per_s == pytest.approx(0.5, rel=0.03)
+    assert v1.sleep_state == "weights_offloaded"  # both engines at level 1
+    assert v1.kv_pressure is True  # preempting while a request waits for capacity
 
     v0 = got["svc/v0"]
     assert not v0.stale
@@ -397,6 +445,9 @@ def test_promql_signals_match_the_served_load(prometheus: dict[str, str]) -> Non
     assert v0.kv_tokens_used == pytest.approx(0.3 * 2048 * 16)
     assert v0.e2e_p50_s is None and v0.e2e_p99_s is None  # no such histogram: unknown, not 0
     assert v0.ttft_p50_s == pytest.approx(0.065)
+    # families an older vLLM does not have: unknown, not 0
+    assert (v0.waiting_capacity, v0.waiting_deferred, v0.preemptions_per_s, v0.sleep_state) == (None,) * 4
+    assert v0.kv_pressure is None
 
     down = got["svc/down"]
     assert (
@@ -446,7 +497,7 @@ def test_promql_unreachable_prometheus_is_a_source_error() -> None:
     assert first.source_error is not None and first.source_error.startswith(
         f"up: Prometheus at {url} unreachable"
     )
-    assert "(and 14 more failed queries)" in first.source_error
+    assert f"(and {len(source.queries(['x:1'])) - 1} more failed queries)" in first.source_error
     assert [r.replica for r in first.replicas] == ["svc/0", "svc/1"]
     assert all(r.stale and r.running is None and r.stale_since == T0 for r in first.replicas)
     assert later.replicas[0].stale_since == T0  # still the first time it was seen stale
@@ -472,7 +523,14 @@ def test_promql_queries_are_what_the_docstring_says() -> None:
         "histogram_quantile(0.99, sum by (instance, le) "
         f"(rate(vllm:time_to_first_token_seconds_bucket{{{sel}}}[90s])))"
     )
-    assert len(queries) == 15
+    assert queries["waiting_capacity"] == (
+        f'sum by (instance) (vllm:num_requests_waiting_by_reason{{{sel},reason="capacity"}})'
+    )
+    assert (
+        queries["preemptions_per_s"] == f"sum by (instance) (rate(vllm:num_preemptions_total{{{sel}}}[90s]))"
+    )
+    assert queries["sleep_state"] == f"vllm:engine_sleep_state{{{sel}}}"
+    assert len(queries) == 19
 
 
 # -- `lowtide metrics parse` ------------------------------------------------------------------------

@@ -29,8 +29,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from lowtide.adapters.vllm_metrics import ParseCache, failed_scrape, parse_vllm_metrics
-from lowtide.domain.metrics import ReplicaScrape, ReplicaSignals, ServiceSignals
+from lowtide.adapters.vllm_metrics import ParseCache, failed_scrape, parse_vllm_metrics, sleep_state_of
+from lowtide.domain.metrics import ReplicaScrape, ReplicaSignals, ServiceSignals, SleepState
 from lowtide.policy.signals import replica_signals, stale_signals
 
 log = logging.getLogger(__name__)
@@ -271,6 +271,16 @@ class PromQLSource:
           (rate(vllm:time_to_first_token_seconds_bucket{S}[W])))     TTFT, q = 0.5, 0.9, 0.99
         histogram_quantile(q, sum by (instance, le)
           (rate(vllm:e2e_request_latency_seconds_bucket{S}[W])))     e2e, q = 0.5, 0.9, 0.99
+        sum by (instance) (vllm:num_requests_waiting_by_reason{S,reason="capacity"})
+                                                waiting for capacity (newer vLLM)
+        sum by (instance) (vllm:num_requests_waiting_by_reason{S,reason="deferred"})
+                                                deferred
+        sum by (instance) (rate(vllm:num_preemptions_total{S}[W]))   preemptions/s
+        vllm:engine_sleep_state{S}              sleep state (`vllm_metrics.sleep_state_of`
+                                                over each instance's engines)
+
+    The last four are what the scrape source reads too (`adapters.vllm_metrics` cites vLLM for
+    them); an older vLLM without them leaves them unknown.
 
     A replica is stale when its target is missing (``up`` has no series), down (``up == 0``) or
     last scraped more than `stale_after_s` before Prometheus's now; ``stale_since`` is when this
@@ -328,6 +338,14 @@ class PromQLSource:
                 f"sum by (instance) (rate(vllm:generation_tokens_total{{{sel}}}[{w}]))"
             ),
             "requests_per_s": f"sum by (instance) (rate(vllm:request_success_total{{{sel}}}[{w}]))",
+            "waiting_capacity": (
+                f'sum by (instance) (vllm:num_requests_waiting_by_reason{{{sel},reason="capacity"}})'
+            ),
+            "waiting_deferred": (
+                f'sum by (instance) (vllm:num_requests_waiting_by_reason{{{sel},reason="deferred"}})'
+            ),
+            "preemptions_per_s": f"sum by (instance) (rate(vllm:num_preemptions_total{{{sel}}}[{w}]))",
+            "sleep_state": f"vllm:engine_sleep_state{{{sel}}}",
         }
         for name, family in (
             ("ttft", "vllm:time_to_first_token_seconds"),
@@ -389,11 +407,12 @@ class PromQLSource:
         single = {
             name: _by_instance(name, series, problems, combine=min if name in ("up", "scraped_at") else _fsum)
             for name, series in results.items()
-            if name != "cache_info"
+            if name not in ("cache_info", "sleep_state")
         }
         capacity = _capacity_by_instance(results["cache_info"], problems)
+        sleep = _sleep_by_instance(results["sleep_state"])
         signals = [
-            self._replica(service, rid, inst, single, capacity.get(inst), now)
+            self._replica(service, rid, inst, single, capacity.get(inst), now, sleep.get(inst))
             for rid, inst in instances.items()
         ]
         self.last_problems = tuple(problems)
@@ -409,6 +428,7 @@ class PromQLSource:
         values: dict[str, dict[str, tuple[float, float]]],
         capacity: float | None,
         now: float,
+        sleep_state: SleepState | None = None,
     ) -> ReplicaSignals:
         def get(name: str) -> float | None:
             found = values[name].get(inst)
@@ -450,6 +470,10 @@ class PromQLSource:
             e2e_p50_s=get("e2e_p50"),
             e2e_p90_s=get("e2e_p90"),
             e2e_p99_s=get("e2e_p99"),
+            waiting_capacity=get("waiting_capacity"),
+            waiting_deferred=get("waiting_deferred"),
+            preemptions_per_s=get("preemptions_per_s"),
+            sleep_state=sleep_state,
             stale=bool(reason),
             stale_reason=reason,
             stale_since=since if reason else None,
@@ -508,6 +532,31 @@ def _by_instance(
             problems.append(f"{name}: {len(group)} series for instance {inst!r}, {how}")
         out[inst] = (group[0].at, combine(s.value for s in group))
     return out
+
+
+def _sleep_by_instance(series: list[_Series]) -> dict[str, SleepState | None]:
+    """instance -> its sleep state from the raw ``vllm:engine_sleep_state`` series (one per engine
+    and ``sleep_state`` label), read as the scrape source reads them."""
+    sums: dict[str, dict[str, float]] = {}
+    engines: dict[str, int] = {}
+    nan: set[str] = set()
+    for s in series:
+        inst = s.labels.get("instance", "")
+        state = s.labels.get("sleep_state", "")
+        if math.isnan(s.value):
+            nan.add(inst)
+        per = sums.setdefault(inst, {})
+        per[state] = per.get(state, 0.0) + s.value
+        if state == "awake":
+            engines[inst] = engines.get(inst, 0) + 1
+    return {
+        inst: None
+        if inst in nan
+        else sleep_state_of(
+            per.get("awake"), per.get("weights_offloaded"), per.get("discard_all"), engines.get(inst, 0)
+        )
+        for inst, per in sums.items()
+    }
 
 
 def _capacity_by_instance(series: list[_Series], problems: list[str]) -> dict[str, float]:

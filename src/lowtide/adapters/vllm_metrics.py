@@ -17,7 +17,28 @@ requests_total              ``vllm:request_success_total``: sum over ``finished_
 ttft / e2e / itl            ``vllm:time_to_first_token_seconds`` / ``vllm:e2e_request_latency_seconds``
                             / ``vllm:inter_token_latency_seconds`` | ``vllm:time_per_output_token_seconds``:
                             bucket counts summed per ``le``
+preemptions_total           ``vllm:num_preemptions_total`` (V0 and V1): sum
+waiting_capacity /          ``vllm:num_requests_waiting_by_reason`` series with ``reason="capacity"``
+waiting_deferred            / ``reason="deferred"``: sum
+sleep_state                 ``vllm:engine_sleep_state``, one-hot per engine over ``sleep_state`` =
+                            ``awake`` | ``weights_offloaded`` | ``discard_all``: see `sleep_state_of`
 ==========================  ===================================================================
+
+The last three are read where the server has them and are ``None`` (without a note in
+``problems``) where it does not. What vLLM's source says of them (vllm/v1/metrics/loggers.py,
+``PrometheusStatLogger``, in the trees of the 0.33 line checked for docs/vllm.md; the older
+vllm-project/vllm trees indexed at 005a810b and a6f0308c have only ``num_preemptions``):
+
+- ``vllm:num_requests_waiting_by_reason`` is a gauge with labels ``model_name``, ``engine`` and
+  ``reason``, whose values are ``capacity`` (the scheduler's waiting requests: waiting for KV
+  cache or a ``max_num_seqs`` slot) and ``deferred`` (its skipped ones: LoRA budget, KV transfer,
+  blocked status); ``vllm:num_requests_waiting`` is set to their sum.
+- ``vllm:num_preemptions`` is a counter (exposed as ``_total``) of running requests the scheduler
+  preempted, which it does when it cannot allocate KV blocks for them.
+- ``vllm:engine_sleep_state`` is a gauge with labels ``model_name``, ``engine`` and
+  ``sleep_state``; ``record_sleep_state`` sets every engine alike: ``awake`` 1 when awake; asleep,
+  ``awake`` 0 and ``weights_offloaded`` 1 at level 1, ``discard_all`` 1 at level 2, none at 1 at
+  level 0. It is set at start, so a server that has the family always shows it.
 
 "sum" is over every series of the family: the ``engine`` label (one series per engine under data
 parallelism), ``finished_reason``, and ``model_name`` when a server shows several (noted in
@@ -73,7 +94,7 @@ from typing import Any, TextIO, cast
 
 from prometheus_client.parser import text_fd_to_metric_families, text_string_to_metric_families
 
-from lowtide.domain.metrics import Histogram, MetricsVersion, ReplicaScrape
+from lowtide.domain.metrics import Histogram, MetricsVersion, ReplicaScrape, SleepState
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
@@ -89,6 +110,23 @@ TTFT = "vllm:time_to_first_token_seconds"
 E2E = "vllm:e2e_request_latency_seconds"
 ITL_V1 = "vllm:inter_token_latency_seconds"
 ITL_V0 = "vllm:time_per_output_token_seconds"
+PREEMPTIONS = "vllm:num_preemptions_total"
+WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
+SLEEP_STATE = "vllm:engine_sleep_state"
+#: Families whose series are read per value of one label: family -> that label.
+_LABELLED: dict[str, str] = {WAITING_BY_REASON: "reason", SLEEP_STATE: "sleep_state"}
+
+
+def _keyed(family: str, label: str, value: str) -> str:
+    """The name a labelled family's series are summed under, e.g. ``...{reason="capacity"}``."""
+    return f'{family}{{{label}="{value}"}}'
+
+
+WAITING_CAPACITY = _keyed(WAITING_BY_REASON, "reason", "capacity")
+WAITING_DEFERRED = _keyed(WAITING_BY_REASON, "reason", "deferred")
+SLEEP_AWAKE = _keyed(SLEEP_STATE, "sleep_state", "awake")
+SLEEP_LEVEL_1 = _keyed(SLEEP_STATE, "sleep_state", "weights_offloaded")
+SLEEP_LEVEL_2 = _keyed(SLEEP_STATE, "sleep_state", "discard_all")
 
 # scalar field -> (how engines combine, the names it is read from, preferred first)
 _SCALARS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -98,7 +136,25 @@ _SCALARS: dict[str, tuple[str, tuple[str, ...]]] = {
     "prompt_tokens_total": ("sum", (PROMPT,)),
     "generation_tokens_total": ("sum", (GENERATION,)),
     "requests_total": ("sum", (SUCCESS,)),
+    "preemptions_total": ("sum", (PREEMPTIONS,)),
+    "waiting_capacity": ("sum", (WAITING_CAPACITY,)),
+    "waiting_deferred": ("sum", (WAITING_DEFERRED,)),
+    # engines per sleep state; `sleep_state_of` turns them into the scrape's sleep_state
+    "engines_awake": ("sum", (SLEEP_AWAKE,)),
+    "engines_level_1": ("sum", (SLEEP_LEVEL_1,)),
+    "engines_level_2": ("sum", (SLEEP_LEVEL_2,)),
 }
+#: Fields only newer servers have: absent, they are None without a note in `problems`.
+_OPTIONAL = frozenset(
+    {
+        "preemptions_total",
+        "waiting_capacity",
+        "waiting_deferred",
+        "engines_awake",
+        "engines_level_1",
+        "engines_level_2",
+    }
+)
 _HISTOGRAMS: dict[str, tuple[str, ...]] = {"ttft": (TTFT,), "e2e": (E2E,), "itl": (ITL_V1, ITL_V0)}
 
 
@@ -106,7 +162,8 @@ def _sample_roles() -> dict[str, tuple[str, str]]:
     """sample name -> (family name, role); role: "value", "bucket", "count", "sum" or "info"."""
     roles = {CACHE_INFO: (CACHE_INFO, "info")}
     for _how, names in _SCALARS.values():
-        roles.update({name: (name, "value") for name in names})
+        # a labelled family's sample name is its base name (the label picks the slot later)
+        roles.update({name.split("{", 1)[0]: (name.split("{", 1)[0], "value") for name in names})
     for names in _HISTOGRAMS.values():
         for name in names:
             for suffix in ("bucket", "count", "sum"):
@@ -118,10 +175,13 @@ _SAMPLE_ROLES = _sample_roles()
 
 # Names as they appear on # HELP / # TYPE lines (counters with and without `_total`).
 WANTED_FAMILIES: frozenset[str] = frozenset(
-    {family for family, _ in _SAMPLE_ROLES.values()} | {PROMPT[:-6], GENERATION[:-6], SUCCESS[:-6]}
+    {family for family, _ in _SAMPLE_ROLES.values()}
+    | {PROMPT[:-6], GENERATION[:-6], SUCCESS[:-6], PREEMPTIONS[:-6]}
 )
 
-_V1_ONLY = frozenset({KV_V1, ITL_V1, "vllm:prefix_cache_queries", "vllm:prefix_cache_hits"})
+_V1_ONLY = frozenset(
+    {KV_V1, ITL_V1, "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", WAITING_BY_REASON, SLEEP_STATE}
+)
 _V0_ONLY = frozenset(
     {
         "vllm:num_requests_swapped",
@@ -146,7 +206,33 @@ _FIELD_LABELS = {
     "ttft": "TTFT histogram",
     "e2e": "e2e latency histogram",
     "itl": "inter-token latency histogram",
+    "preemptions_total": "preemptions",
+    "waiting_capacity": "requests waiting for capacity",
+    "waiting_deferred": "deferred requests",
+    "engines_awake": "sleep state",
+    "engines_level_1": "sleep state",
+    "engines_level_2": "sleep state",
 }
+
+
+def sleep_state_of(
+    awake: float | None, level_1: float | None, level_2: float | None, engines: int
+) -> SleepState | None:
+    """A server's sleep state from ``vllm:engine_sleep_state`` summed over its `engines` (the
+    number of ``awake`` series): each sum is the number of engines at 1 for that label. None when
+    the ``awake`` series are absent (or NaN)."""
+    if awake is None or engines <= 0:
+        return None
+    one, two = level_1 or 0.0, level_2 or 0.0
+    if awake == engines and one == 0 and two == 0:
+        return "awake"
+    if awake == 0 and one == engines and two == 0:
+        return "weights_offloaded"
+    if awake == 0 and two == engines and one == 0:
+        return "discard_all"
+    if awake == 0 and one == 0 and two == 0:
+        return "asleep"
+    return "mixed"
 
 
 def failed_scrape(at: float, error: str) -> ReplicaScrape:
@@ -213,6 +299,9 @@ def _build_plan(series: Sequence[tuple[str, dict[str, str]]]) -> _Plan:
         if family == SUCCESS and labels.get("finished_reason") in NOT_SERVED:
             slots.append(-1)
             continue
+        by = _LABELLED.get(family)
+        if by is not None:
+            family = _keyed(family, by, labels.get(by, ""))
         model = labels.get("model_name")
         if model is not None:
             models.add(model)
@@ -595,6 +684,8 @@ def _parse(text: str, at: float, cache: ParseCache | None) -> ReplicaScrape:
     if error is None and not read_any:
         error = "no vLLM metrics: none of the vllm: families lowtide reads is in the text"
     for fld, label in _FIELD_LABELS.items():
+        if fld in _OPTIONAL:
+            continue
         names = _SCALARS[fld][1] if fld in _SCALARS else _HISTOGRAMS[fld]
         if read_any and not plan.families.intersection(names):
             problems.append(f"{label} absent ({' | '.join(names)}): unknown")
@@ -618,6 +709,15 @@ def _parse(text: str, at: float, cache: ParseCache | None) -> ReplicaScrape:
         e2e=hists.get("e2e"),
         itl=hists.get("itl"),
         problems=tuple(problems),
+        waiting_capacity=scalars.get("waiting_capacity"),
+        waiting_deferred=scalars.get("waiting_deferred"),
+        preemptions_total=scalars.get("preemptions_total"),
+        sleep_state=sleep_state_of(
+            scalars.get("engines_awake"),
+            scalars.get("engines_level_1"),
+            scalars.get("engines_level_2"),
+            plan.scalars["engines_awake"][2] if "engines_awake" in plan.scalars else 0,
+        ),
     )
 
 

@@ -40,6 +40,23 @@ class SignalsOut(BaseModel):
     prompt_tokens_per_s: float | None
     ttft_p90_s: float | None
     e2e_p90_s: float | None
+    waiting_capacity: float | None = Field(
+        default=None,
+        description="waiting for KV cache or a batch slot (vllm:num_requests_waiting_by_reason; newer vLLM)",
+    )
+    waiting_deferred: float | None = Field(
+        default=None, description="waiting deferred by LoRA budget, KV transfer, ..."
+    )
+    preemptions_per_s: float | None = Field(
+        default=None, description="vllm:num_preemptions_total, rate over the window"
+    )
+    kv_pressure: bool | None = Field(
+        default=None, description="preempting while requests wait: the KV cache is short"
+    )
+    sleep_state: str | None = Field(
+        default=None,
+        description="vllm:engine_sleep_state: awake | weights_offloaded | discard_all | asleep | mixed",
+    )
     stale: bool
     stale_reason: str
 
@@ -120,6 +137,11 @@ def signals_out(s: ReplicaSignals) -> SignalsOut:
         prompt_tokens_per_s=s.prompt_tokens_per_s,
         ttft_p90_s=s.ttft_p90_s,
         e2e_p90_s=s.e2e_p90_s,
+        waiting_capacity=s.waiting_capacity,
+        waiting_deferred=s.waiting_deferred,
+        preemptions_per_s=s.preemptions_per_s,
+        kv_pressure=s.kv_pressure,
+        sleep_state=s.sleep_state,
         stale=s.stale,
         stale_reason=s.stale_reason,
     )

@@ -1,8 +1,10 @@
 """`lowtide doctor`: does a running vLLM replica give lowtide what it needs? Says what is missing.
 
-Usage: ``lowtide doctor --url http://127.0.0.1:8100 [--park sleep|stop] [--json]`` or
-``lowtide [-c lowtide.yaml] doctor --service NAME [--slot N]`` (the replica of that slot, on
-``base_port + slot``; the service's `park` decides whether the sleep check is required).
+Usage: ``lowtide doctor --url http://127.0.0.1:8100 [--park sleep|stop] [--json]``,
+``lowtide [-c lowtide.yaml] doctor --service NAME [--slot N]`` (the service's configuration, then
+the replica of that slot, on ``base_port + slot``; the service's `park` decides whether the sleep
+check is required) or ``lowtide [-c lowtide.yaml] doctor --config-only`` (every service's
+configuration; no replica is contacted).
 
 Checks, each reported as ``ok``, ``missing`` (required: lowtide will misbehave), ``warning`` (not
 required here, but something lowtide would use is absent) or ``skipped``, with a plain sentence
@@ -16,7 +18,9 @@ of what to do (docs/vllm.md has the vLLM source behind each one):
   the control loop reads) and each family lowtide reads is there: running and waiting requests
   and KV-cache usage are required (the autoscaler's signals, and the drain without a gateway);
   KV capacity, token and request counters and the TTFT / e2e / inter-token histograms are
-  warnings when absent (reports and the TTFT guard lose them).
+  warnings when absent (reports and the TTFT guard lose them), as are the preemption counter,
+  the waiting requests by reason and the engine sleep state (newer vLLM only:
+  `adapters.vllm_metrics` cites the source).
 - ``sleep``: ``GET /is_sleeping`` answers ``{"is_sleeping": bool}``. vLLM serves ``/sleep``,
   ``/wake_up`` and ``/is_sleeping`` only with ``VLLM_SERVER_DEV_MODE=1`` in its environment
   (`vllm/envs.py`; routers registered under ``if envs.VLLM_SERVER_DEV_MODE``), else 404.
@@ -29,9 +33,32 @@ of what to do (docs/vllm.md has the vLLM source behind each one):
   ``/collective_rpc``. A URL that is itself not loopback fails this check at once. Checked only
   on the machine the replica runs on.
 
-Exit codes: 0 every required check passed; 1 a required check failed; 2 bad usage (neither or
-both of --url and --service, a URL that is not http(s)://host:port, an unknown service, a config
-error). Every text from the replica is printed through `cli.output.safe` (or `--json`).
+Configuration checks (``--service`` and ``--config-only``; warnings, never required: the node's
+own environment or a wrapper script may supply what the config does not show), named
+``config.<service>.<check>``:
+
+- ``dev_mode`` (``park: sleep``): the replica's environment as lowtide builds it
+  (`wiring.replica_env`: ``VLLM_SERVER_DEV_MODE=1``, ``services[].env`` wins), or a
+  ``VLLM_SERVER_DEV_MODE=...`` assignment written in the command itself, turns dev mode on as vLLM
+  reads it: ``bool(int(os.getenv("VLLM_SERVER_DEV_MODE", "0")))`` (`vllm/envs.py`; a value
+  ``int`` rejects, such as ``true``, makes vLLM fail when it reads it).
+- ``sleep_mode`` (``park: sleep`` with a configured ``command``): the command has
+  ``--enable-sleep-mode`` (``ModelConfig.enable_sleep_mode``, a ``vllm serve`` flag through
+  `vllm/engine/arg_utils.py`, with ``--no-enable-sleep-mode`` as its negation; docs/vllm.md):
+  without it ``/sleep`` cannot free the GPU and lowtide stops the replica instead. Not asked of
+  lowtide's own emulator (``lowtide emulate vllm`` always sleeps and has no such flag) nor of the
+  default command (which adds it).
+- ``host`` (a configured ``command``): the command binds loopback with ``--host`` (``--host X``
+  or ``--host=X``, X a loopback address or ``localhost``); without ``--host`` vLLM binds every
+  interface (see ``loopback`` above). The default command binds ``wiring.REPLICA_HOST``.
+
+The command is read as its words joined by spaces, so a flag inside a ``bash -c "..."`` string
+counts; a flag set only in a ``--config`` YAML file given to vLLM is not seen (the warning says
+so).
+
+Exit codes: 0 every required check passed; 1 a required check failed; 2 bad usage (not exactly
+one of --url, --service and --config-only, a URL that is not http(s)://host:port, an unknown
+service, a config error). Every text from the replica is printed through `cli.output.safe` (or `--json`).
 Registered by `cli.main` as ``app.command("doctor")(doctor_command)``; httpx, psutil and the
 metrics parser are imported only when it runs (the CLI starts fast).
 Must not: change the replica's state (no POST), talk to the lowtide API, or decide anything.
@@ -41,6 +68,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 import socket
 import time
 from dataclasses import asdict, dataclass
@@ -53,6 +81,8 @@ from lowtide.cli.output import console, safe
 
 if TYPE_CHECKING:
     import httpx
+
+    from lowtide.config import ServiceConfig, Settings
 
 Status = Literal["ok", "missing", "warning", "skipped"]
 TIMEOUT_S = 5.0
@@ -73,6 +103,7 @@ class Target:
     host: str
     port: int
     park: Literal["sleep", "stop"] | None  # None: not known (the sleep check is not required)
+    config_checks: tuple[Check, ...] = ()  # with --service: its configuration's checks
 
 
 def _usage(message: str) -> NoReturn:
@@ -86,24 +117,38 @@ def doctor_command(
         str | None, typer.Option("--url", help="The replica's base URL, e.g. http://127.0.0.1:8100.")
     ] = None,
     service: Annotated[
-        str | None, typer.Option("--service", help="A service of the config: check its replica.")
+        str | None,
+        typer.Option("--service", help="A service of the config: check its configuration and its replica."),
     ] = None,
     slot: Annotated[int, typer.Option("--slot", help="With --service: which replica (0-based).", min=0)] = 0,
     park: Annotated[
         str | None, typer.Option("--park", help="sleep or stop: how the replica is parked (--url only).")
     ] = None,
+    config_only: Annotated[
+        bool,
+        typer.Option(
+            "--config-only", help="Check every service's command and environment; contact no replica."
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Check a running vLLM replica against what lowtide needs and say what is missing."""
-    target = _target(ctx, url, service, slot, park)
-    checks = diagnose(target)
+    if config_only:
+        if url is not None or service is not None or park is not None:
+            _usage("--config-only checks the configuration: give it without --url, --service or --park")
+        where, checks = _config_only(ctx)
+        shown: str | None = None
+    else:
+        target = _target(ctx, url, service, slot, park)
+        checks = [*target.config_checks, *diagnose(target)]
+        where = shown = target.url
     failed = any(c.required and c.status == "missing" for c in checks)
     if as_json:
-        payload = {"url": target.url, "ok": not failed, "checks": [asdict(c) for c in checks]}
+        payload = {"url": shown, "ok": not failed, "checks": [asdict(c) for c in checks]}
         typer.echo(json.dumps(payload, indent=2))
     else:
         out = console()
-        out.print(f"lowtide doctor: {safe(target.url)}")
+        out.print(f"lowtide doctor: {safe(where)}")
         colour = {"ok": "green", "missing": "red", "warning": "yellow", "skipped": "dim"}
         for c in checks:
             label = f"[{colour[c.status]}]{c.status:<8}[/{colour[c.status]}]"
@@ -117,24 +162,20 @@ def _target(ctx: typer.Context, url: str | None, service: str | None, slot: int,
     if park not in (None, "sleep", "stop"):
         _usage(f"--park {park!r}: use sleep or stop")
     if (url is None) == (service is None):
-        _usage("give either --url http://HOST:PORT or --service NAME")
+        _usage("give either --url http://HOST:PORT or --service NAME (or --config-only)")
     mode: Literal["sleep", "stop"] | None = "sleep" if park == "sleep" else "stop" if park else None
+    found: tuple[Check, ...] = ()
     if service is not None:
-        from lowtide.config import ConfigError, load_settings  # noqa: PLC0415 (fast CLI start)
-
-        config = ctx.parent.params.get("config") if ctx.parent is not None else None
-        try:
-            settings = load_settings(config)
-        except ConfigError as exc:
-            _usage(str(exc))
-        cfg = next((s for s in settings.services if s.name == service), None)
+        services = _settings(ctx).services
+        cfg = next((s for s in services if s.name == service), None)
         if cfg is None:
-            names = ", ".join(s.name for s in settings.services) or "none"
+            names = ", ".join(s.name for s in services) or "none"
             _usage(f"--service {service!r}: no such service in the config (services: {names})")
         if slot >= cfg.max_replicas:
             _usage(f"--slot {slot}: service {service!r} has slots 0..{cfg.max_replicas - 1}")
         url = f"http://127.0.0.1:{cfg.base_port + slot}"
         mode = mode or cfg.park
+        found = tuple(config_checks(cfg))
     assert url is not None
     parts = urlsplit(url)
     try:
@@ -144,7 +185,147 @@ def _target(ctx: typer.Context, url: str | None, service: str | None, slot: int,
     if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
         _usage(f"--url {url!r}: give http://HOST:PORT (the replica's own address, not the gateway's)")
     base = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
-    return Target(base, parts.hostname, port, mode)
+    return Target(base, parts.hostname, port, mode, found)
+
+
+def _settings(ctx: typer.Context) -> Settings:
+    from lowtide.config import ConfigError, load_settings  # noqa: PLC0415 (fast CLI start)
+
+    config = ctx.parent.params.get("config") if ctx.parent is not None else None
+    try:
+        return load_settings(config)
+    except ConfigError as exc:
+        _usage(str(exc))
+
+
+def _config_only(ctx: typer.Context) -> tuple[str, list[Check]]:
+    """What `--config-only` prints: where the config came from, and every service's checks."""
+    services = _settings(ctx).services
+    config = ctx.parent.params.get("config") if ctx.parent is not None else None
+    where = f"the services of {config or 'the configuration'} (no replica contacted)"
+    if not services:
+        return where, [Check("config", "skipped", False, "no services in the configuration")]
+    return where, [c for cfg in services for c in config_checks(cfg)]
+
+
+# -- the configuration's checks (pure) -----------------------------------------------------------
+
+DEV_MODE = "VLLM_SERVER_DEV_MODE"
+_DEV_MODE_IN_COMMAND = re.compile(r"(?<![\w-])VLLM_SERVER_DEV_MODE=(\S*)")
+_SLEEP_FLAG = re.compile(r"(?<![\w-])--(no-)?enable-sleep-mode(?![\w-])")
+_HOST = re.compile(r"(?<![\w-])--host(?:=|\s+)(\S+)")
+_FIX_IN_CONFIG = "in services[].command (or leave command out: lowtide's default command does it)"
+
+
+def _dev_mode_on(value: str) -> bool | None:
+    """vLLM's reading of VLLM_SERVER_DEV_MODE: ``bool(int(value))``; None when ``int`` fails."""
+    try:
+        return bool(int(value.strip("'\"")))
+    except ValueError:
+        return None
+
+
+def _is_emulator(command: str) -> bool:
+    return re.search(r"(?<![\w-])lowtide\s+emulate\s+vllm(?![\w-])", command) is not None
+
+
+def config_checks(cfg: ServiceConfig) -> list[Check]:
+    """The configuration's checks of one service (see the module docstring); no I/O."""
+    from lowtide.wiring import REPLICA_HOST, replica_env  # noqa: PLC0415 (fast CLI start)
+
+    name = cfg.name
+    command = " ".join(cfg.command) if cfg.command else None
+    checks: list[Check] = []
+    if cfg.park == "sleep":
+        checks.append(_dev_mode_check(cfg, command, replica_env(cfg).get(DEV_MODE)))
+        if command is not None and not _is_emulator(command):
+            checks.append(_sleep_flag_check(name, command))
+    if command is None:
+        checks.append(
+            Check(
+                f"config.{name}.host",
+                "ok",
+                False,
+                f"lowtide's default command binds the replica to {REPLICA_HOST}",
+            )
+        )
+    else:
+        checks.append(_host_check(name, command))
+    return checks
+
+
+def _dev_mode_check(cfg: ServiceConfig, command: str | None, env_value: str | None) -> Check:
+    name = f"config.{cfg.name}.dev_mode"
+    in_command = _DEV_MODE_IN_COMMAND.search(command) if command is not None else None
+    value, source = (
+        (in_command.group(1), "the command") if in_command else (env_value, "the replica's environment")
+    )
+    fix = (
+        f"service {cfg.name!r} has park: sleep, but vLLM serves /sleep, /wake_up and /is_sleeping only "
+        f"with {DEV_MODE}=1 in its environment: without it lowtide stops the replica instead of putting "
+        f'it to sleep (every unpark is a cold start). Set {DEV_MODE}: "1" in services[].env (lowtide '
+        "sets it unless env overrides it)"
+    )
+    if value is None:
+        return Check(name, "warning", False, f"{DEV_MODE} is not set; {fix}")
+    on = _dev_mode_on(value)
+    if on is None:
+        return Check(
+            name,
+            "warning",
+            False,
+            f"{DEV_MODE}={value!r} in {source}: vLLM reads it with int(), which rejects it; {fix}",
+        )
+    if not on:
+        return Check(name, "warning", False, f"{DEV_MODE}={value!r} in {source} turns dev mode off; {fix}")
+    return Check(
+        name, "ok", False, f"{DEV_MODE}={value} in {source}: /sleep, /wake_up and /is_sleeping served"
+    )
+
+
+def _sleep_flag_check(service: str, command: str) -> Check:
+    name = f"config.{service}.sleep_mode"
+    flags = _SLEEP_FLAG.findall(command)
+    if flags and flags[-1] == "":
+        return Check(name, "ok", False, "the command has --enable-sleep-mode")
+    seen = "turns it off with --no-enable-sleep-mode" if flags else "lacks --enable-sleep-mode"
+    return Check(
+        name,
+        "warning",
+        False,
+        f"service {service!r} has park: sleep, but its command {seen}: vLLM then cannot free the GPU on "
+        f"POST /sleep and lowtide stops the replica instead. Add --enable-sleep-mode {_FIX_IN_CONFIG} "
+        "(if a vLLM --config file sets it, ignore this)",
+    )
+
+
+def _host_check(service: str, command: str) -> Check:
+    name = f"config.{service}.host"
+    hosts = _HOST.findall(command)
+    todo = (
+        f"clients can then reach the replica without the gateway (drains do not see them) and, with dev "
+        f"mode on, call /sleep and /collective_rpc. Add --host 127.0.0.1 {_FIX_IN_CONFIG}"
+    )
+    if not hosts:
+        return Check(
+            name,
+            "warning",
+            False,
+            f"service {service!r}: its command has no --host, so vLLM binds every interface; {todo}",
+        )
+    host = hosts[-1].strip("'\"")
+    try:
+        loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if loopback:
+        return Check(name, "ok", False, f"the command binds {host} (loopback)")
+    return Check(
+        name,
+        "warning",
+        False,
+        f"service {service!r}: its command binds --host {host}, not a loopback address; {todo}",
+    )
 
 
 # -- the checks ---------------------------------------------------------------------------------
@@ -230,6 +411,19 @@ _FIELDS: tuple[tuple[str, bool, str, str], ...] = (
         False,
         "vllm:inter_token_latency_seconds (V0: vllm:time_per_output_token_seconds)",
         "latency reports",
+    ),
+    ("preemptions_total", False, "vllm:num_preemptions_total", "the preemption rate (a short KV cache)"),
+    (
+        "waiting_capacity",
+        False,
+        "vllm:num_requests_waiting_by_reason (newer vLLM)",
+        "why requests wait (capacity or deferred)",
+    ),
+    (
+        "sleep_state",
+        False,
+        "vllm:engine_sleep_state (newer vLLM)",
+        "the metrics' confirmation of a sleep (it asks /is_sleeping instead)",
     ),
 )
 

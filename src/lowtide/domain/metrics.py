@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 MetricsVersion = Literal["v0", "v1"]
+#: A server's sleep state from ``vllm:engine_sleep_state``: every engine awake, or asleep at level 1
+#: (``weights_offloaded``), 2 (``discard_all``) or 0 (``asleep``: no label at 1); ``mixed`` when its
+#: engines disagree.
+SleepState = Literal["awake", "weights_offloaded", "discard_all", "asleep", "mixed"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +50,11 @@ class ReplicaScrape:
     e2e: Histogram | None = None  # vllm:e2e_request_latency_seconds
     itl: Histogram | None = None  # vllm:inter_token_latency_seconds | time_per_output_token_seconds
     problems: tuple[str, ...] = ()  # what was odd but not fatal (NaN values, missing families...)
+    # Newer vLLM only (absent on older servers: None); adapters.vllm_metrics cites the source.
+    waiting_capacity: float | None = None  # vllm:num_requests_waiting_by_reason{reason="capacity"}
+    waiting_deferred: float | None = None  # vllm:num_requests_waiting_by_reason{reason="deferred"}
+    preemptions_total: float | None = None  # vllm:num_preemptions_total (counter)
+    sleep_state: SleepState | None = None  # vllm:engine_sleep_state, one-hot per engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +76,10 @@ class ReplicaSignals:
     e2e_p50_s: float | None = None
     e2e_p90_s: float | None = None
     e2e_p99_s: float | None = None
+    waiting_capacity: float | None = None  # waiting for KV cache or max_num_seqs (newer vLLM)
+    waiting_deferred: float | None = None  # deferred (LoRA budget, KV transfer, blocked)
+    preemptions_per_s: float | None = None  # rate of vllm:num_preemptions_total over the window
+    sleep_state: SleepState | None = None
     stale: bool = False
     stale_reason: str = ""
     stale_since: float | None = None  # when the data stopped being trustworthy
@@ -77,6 +90,16 @@ class ReplicaSignals:
         if self.running is None or self.waiting is None:
             return None
         return self.running + self.waiting
+
+    @property
+    def kv_pressure(self) -> bool | None:
+        """Whether the KV cache is short: vLLM preempted running requests in the window (it does so
+        only when it cannot allocate KV blocks for them) while requests wait. Waiting counts those
+        waiting for capacity where the server says so, else all. None when either is unknown."""
+        waiting = self.waiting_capacity if self.waiting_capacity is not None else self.waiting
+        if self.preemptions_per_s is None or waiting is None:
+            return None
+        return self.preemptions_per_s > 0 and waiting > 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,9 @@ does (vllm/v1/metrics/loggers.py, checked on the 0.33 line; docs/vllm.md):
 ``vllm:engine_sleep_state{sleep_state="awake"|"weights_offloaded"|"discard_all"}`` (one-hot: awake 1,
 or level 1 → weights_offloaded 1, level 2 → discard_all 1, level 0 → all 0),
 ``vllm:num_requests_waiting_by_reason{reason="capacity"|"deferred"}`` (summing to
-``num_requests_waiting``; every waiting request of the emulator waits for capacity) and the
+``num_requests_waiting``, as vLLM sets it: ``capacity`` = the scheduler's waiting requests,
+``deferred`` = its skipped ones; every waiting request of the emulator waits for capacity, held
+ones during a sleep included) and the
 prefix-cache counters ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` (in
 tokens; the emulator caches no prefixes, so hits stay 0).
 
@@ -137,10 +139,9 @@ class _VllmCollector(Collector):
         if v1:
             yield _by_label(
                 "vllm:num_requests_waiting_by_reason",
-                "Number of requests waiting to be processed, by reason. 'capacity' = waiting for "
-                "resources (KV cache, max_num_seqs); 'deferred' = deferred by transient constraints "
-                "(LoRA budget, KV transfer, blocked status). Sum of all reasons equals "
-                "vllm:num_requests_waiting.",
+                "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for "
+                "scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, "
+                "KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
                 labels,
                 "reason",
                 {"capacity": engine.num_waiting, "deferred": 0},

@@ -8,13 +8,14 @@ unknown into 0.
 
 Definitions (W = `window_s`; "ok readings" = readings with ``ok=True``, oldest first):
 
-- **gauges** (running, waiting, KV usage, KV tokens = usage × capacity) come from the newest ok
-  reading, even when it is old: the ``stale`` flag says whether to trust them.
-- **rates** (prompt/generation tokens/s, requests/s): over the ok readings of the last W seconds
-  that know the counter, ``increase / (t_last − t_first)`` where ``increase`` adds each step's
-  rise and, when a counter drops (a restart), the new value, counted from 0 as Prometheus's
-  ``rate`` does (without its extrapolation to the window edges). Fewer than two such readings, or
-  no time between them → None.
+- **gauges** (running, waiting, KV usage, KV tokens = usage × capacity, waiting by reason, sleep
+  state) come from the newest ok reading, even when it is old: the ``stale`` flag says whether to
+  trust them.
+- **rates** (prompt/generation tokens/s, requests/s, preemptions/s): over the ok readings of the
+  last W seconds that know the counter, ``increase / (t_last − t_first)`` where ``increase``
+  adds each step's rise and, when a counter drops (a restart), the new value, counted from 0 as
+  Prometheus's ``rate`` does (without its extrapolation to the window edges). Fewer than two
+  such readings, or no time between them → None.
 - **quantiles** (TTFT and e2e p50/p90/p99): the observations made during the window, i.e. the
   bucket counts of the newest histogram minus those of the oldest (restarts, seen as ``_count``
   or ``_sum`` dropping, count from 0; only readings with the newest bucket layout are combined),
@@ -199,6 +200,7 @@ def _activity(s: ReplicaScrape) -> tuple[object, ...]:
         s.prompt_tokens_total,
         s.generation_tokens_total,
         s.requests_total,
+        s.preemptions_total,
         s.ttft.count if s.ttft is not None else None,
         s.e2e.count if s.e2e is not None else None,
     )
@@ -294,6 +296,10 @@ def replica_signals(
         e2e_p50_s=e2e_q[0],
         e2e_p90_s=e2e_q[1],
         e2e_p99_s=e2e_q[2],
+        waiting_capacity=newest.waiting_capacity,
+        waiting_deferred=newest.waiting_deferred,
+        preemptions_per_s=rate("preemptions_total"),
+        sleep_state=newest.sleep_state,
         stale=stale is not None,
         stale_reason=reason,
         stale_since=since,
