@@ -141,14 +141,17 @@ def step_attempt_token(lt: Embedded, job_id: str, step: str) -> tuple[int, str]:
     """Book an attempt of `step` (no GPUs) as the loop would, and mint its step token: what a
     running step reports checkpoints with. Returns (attempt id, raw token)."""
     lt.store.ensure_gpus(lt.nodes, lt.clock.now())
-    launch = lt.store.begin_attempt(
-        job_id=job_id,
-        step=step,
-        node=lt.nodes[0].name,
-        gpus=(),
-        layout=lt.loop.settings.layout,
-        now=lt.clock.now(),
-        reason="test",
+    launch = running(
+        lt.store,
+        lt.store.begin_attempt(
+            job_id=job_id,
+            step=step,
+            node=lt.nodes[0].name,
+            gpus=(),
+            layout=lt.loop.settings.layout,
+            now=lt.clock.now(),
+            reason="test",
+        ),
     )
     _, token = lt.store.create_token(
         name="s", owner=f"step:{job_id}", role="step", now=lt.clock.now(), attempt_id=launch.attempt_id
@@ -219,3 +222,10 @@ def ensure_step_user() -> str:
                 f"{blocked} is not traversable by other users (.ci/run makes it so: chmod o+x)",
             )
     return STEP_USER
+
+
+def running(store: Any, launch: Any) -> Any:
+    """A booked attempt that began to run at its launch, as the loop records it once the executor
+    says so (`Store.record_launch`); store-level tests that play the loop call this."""
+    store.mark_running(launch.attempt_id, store.attempt(launch.attempt_id).started_at)
+    return launch

@@ -42,7 +42,7 @@ from lowtide.domain.states import AttemptState, StepState
 from lowtide.policy.accounting import AccountingPolicy
 from lowtide.policy.outcomes import RetryPolicy, classify_exit
 from lowtide.wiring import Embedded, build
-from support import Served, settings_for
+from support import Served, running, settings_for
 
 H = 3600.0
 
@@ -110,14 +110,17 @@ class Fleet:
         return job_id
 
     def begin(self, job_id: str, node: str, gpus: tuple[int, ...], at: float) -> int:
-        launch = self.store.begin_attempt(
-            job_id=job_id,
-            step="train",
-            node=node,
-            gpus=gpus,
-            layout=self.lt.loop.settings.layout,
-            now=at,
-            reason="test",
+        launch = running(
+            self.store,
+            self.store.begin_attempt(
+                job_id=job_id,
+                step="train",
+                node=node,
+                gpus=gpus,
+                layout=self.lt.loop.settings.layout,
+                now=at,
+                reason="test",
+            ),
         )
         return launch.attempt_id
 

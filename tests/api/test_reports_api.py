@@ -21,7 +21,7 @@ from lowtide.domain.states import StepState
 from lowtide.policy.accounting import AccountingPolicy
 from lowtide.policy.outcomes import RetryPolicy, classify_exit
 from lowtide.wiring import Embedded, build
-from support import Served, settings_for
+from support import Served, running, settings_for
 
 H = 3600.0
 NOW = 1_790_000_000.0  # 2026-09-21 14:13:20 UTC
@@ -56,14 +56,17 @@ class Lt:
         job_id: str = r.json()["id"]
         self.clock.set(NOW - 4 * H)
         s = self.store
-        launch = s.begin_attempt(
-            job_id=job_id,
-            step="train",
-            node="node-a",
-            gpus=(0, 1),
-            layout=self.lt.loop.settings.layout,
-            now=self.clock.now(),
-            reason="test",
+        launch = running(
+            s,
+            s.begin_attempt(
+                job_id=job_id,
+                step="train",
+                node="node-a",
+                gpus=(0, 1),
+                layout=self.lt.loop.settings.layout,
+                now=self.clock.now(),
+                reason="test",
+            ),
         )
         self.clock.advance(2 * H)
         s.record_checkpoint(
@@ -98,14 +101,17 @@ class Lt:
             half_life_s=H,
         )
         self.clock.set(NOW - 1 * H)
-        s.begin_attempt(
-            job_id=job_id,
-            step="train",
-            node="node-a",
-            gpus=(0, 1),
-            layout=self.lt.loop.settings.layout,
-            now=self.clock.now(),
-            reason="test",
+        running(
+            s,
+            s.begin_attempt(
+                job_id=job_id,
+                step="train",
+                node="node-a",
+                gpus=(0, 1),
+                layout=self.lt.loop.settings.layout,
+                now=self.clock.now(),
+                reason="test",
+            ),
         )
         return job_id
 

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from lowtide.cli.main import app as cli_app
 from lowtide.control.clock import FakeClock
 from lowtide.wiring import Embedded, build
-from support import Served, settings_for
+from support import Served, running, settings_for
 
 NOW = 1_790_000_000.0  # 2026-09-21 UTC
 SECRET_VALUE = "wandb-s3cr3t-7f3a9c"
@@ -147,14 +147,17 @@ def test_pool_and_reports_show_other_teams_only_as_pool_figures(site: Site) -> N
     lt = site.lt
     theirs = site.submitted(site.alice, job())
     lt.store.ensure_gpus(lt.nodes, site.clock.now())
-    lt.store.begin_attempt(
-        job_id=theirs,
-        step="train",
-        node="node-a",
-        gpus=(0, 1),
-        layout=lt.loop.settings.layout,
-        now=site.clock.now(),
-        reason="test",
+    running(
+        lt.store,
+        lt.store.begin_attempt(
+            job_id=theirs,
+            step="train",
+            node="node-a",
+            gpus=(0, 1),
+            layout=lt.loop.settings.layout,
+            now=site.clock.now(),
+            reason="test",
+        ),
     )
     site.clock.advance(3600)
     held = [g for n in site.call("GET", "/v1/pool", site.bob).json()["nodes"] for g in n["gpus"]]

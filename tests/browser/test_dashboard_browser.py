@@ -5,8 +5,8 @@ processes) served by uvicorn on a loopback port.
 A person logs in with a token; submits a job from a template through the editor and sees a
 located error for a broken spec; watches a job run to the end through live updates and reads
 its log; sees a preemption (asked of the store, as a reclaim would) on the job's page; cancels a
-job; and never sees another team's job. Every page is saved as a screenshot under
-``test-output/screenshots/`` (printed at the end).
+job; retries a failed job from its failed step with the keyboard; and never sees another team's
+job. Every page is saved as a screenshot under ``test-output/screenshots/`` (printed at the end).
 """
 
 from __future__ import annotations
@@ -286,6 +286,38 @@ def test_a_preemption_shows_on_the_job_page_and_a_job_is_cancelled(site: Site) -
     page.get_by_role("button", name="Cancel job").click()
     expect(page.get_by_role("heading", level=1)).to_contain_text("CANCELLED")
     shot(page, "09-job-cancelled")
+    page.close()
+
+
+def test_a_failed_job_is_retried_from_its_failed_step_with_the_keyboard(site: Site, tmp_path: Any) -> None:
+    flag = tmp_path / "fixed"
+    needs_flag = f"import os, sys; sys.exit(0 if os.path.exists({str(flag)!r}) else 3)"
+    job = site.submit(
+        "alice",
+        {
+            "name": "retry-me",
+            "team": "nlp",
+            "steps": [
+                {"name": "prep", "command": [PY, "-c", "print('prep ran')"]},
+                {"name": "train", "command": [PY, "-c", needs_flag], "depends": ["prep"]},
+            ],
+        },
+    )
+    page = site.page()
+    site.login(page, "alice")
+    page.goto(f"{site.url}/ui/#/job/{job}")
+    expect(page.get_by_role("heading", level=1)).to_contain_text("FAILED")
+    button = page.get_by_role("button", name="Retry from failed steps")
+    expect(button).to_be_visible()
+    shot(page, "10-job-failed-retry")
+    flag.touch()  # the cause is fixed
+    button.focus()
+    page.keyboard.press("Enter")
+    expect(page.get_by_role("heading", level=1)).to_contain_text("SUCCEEDED")
+    expect(page.get_by_role("button", name="Retry from failed steps")).to_have_count(0)
+    numbers = [(a.step_name, a.number) for a in site.lt.store.job_detail(job).attempts]
+    assert numbers == [("prep", 1), ("train", 1), ("train", 2)]  # prep was not run again
+    shot(page, "11-job-retried")
     page.close()
 
 

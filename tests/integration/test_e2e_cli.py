@@ -227,11 +227,12 @@ def test_kill_9_of_the_control_plane_loses_no_job_and_leaves_no_orphan(
     def train_running() -> dict[str, Any] | None:
         d = server.api(f"/v1/jobs/{job}")
         att = [a for a in d["attempts"] if a["step"] == "train" and a["state"] == "RUNNING"]
-        return att[0] if att and att[0]["pid"] else None
+        return att[0] if att and att[0]["handle"] else None
 
     train = wait_until(train_running, timeout=120, interval=0.2, what="train to run")
     server.kill9()
-    assert psutil.pid_exists(train["pid"]), "the step died with the control plane"
+    train_pid = int(train["handle"])  # the local executor's handle is the shim's pid
+    assert psutil.pid_exists(train_pid), "the step died with the control plane"
 
     server.start()
     final = wait_until(
@@ -250,7 +251,7 @@ def test_kill_9_of_the_control_plane_loses_no_job_and_leaves_no_orphan(
     assert len(server.json("jobs")["jobs"]) == 2
     wait_until(lambda: not shims_of(tmp_path), timeout=10, what="no step process left")
     assert (
-        not psutil.pid_exists(train["pid"]) or psutil.Process(train["pid"]).status() == psutil.STATUS_ZOMBIE
+        not psutil.pid_exists(train_pid) or psutil.Process(train_pid).status() == psutil.STATUS_ZOMBIE
     )
 
 

@@ -150,7 +150,7 @@ def test_the_local_executor_reports_a_step_exit_through_the_watcher(
     executor.launch(request, time.time())
     try:
         assert calls.wait(), "the step's exit did not wake anybody"
-        exits = executor.poll(time.time())
+        exits = executor.poll(time.time()).exits
         assert [(e.attempt_id, e.exit_code) for e in exits] == [(7, 3)]
     finally:
         executor.close()

@@ -63,7 +63,7 @@ class Loop:
     exits: dict[int, AttemptExit] = field(default_factory=dict)
 
     def poll(self) -> None:
-        for e in self.executor.poll(time.time()):
+        for e in self.executor.poll(time.time()).exits:
             assert e.attempt_id not in self.exits, "an exit was reported twice after its ack"
             self.exits[e.attempt_id] = e
             self.executor.ack_exit(e.attempt_id)  # as the loop does once the store has it
@@ -202,7 +202,10 @@ class Env:
         )
 
     def launch(self, executor: LocalExecutor, req: LaunchRequest) -> ProcessIdentity:
-        identity = executor.launch(req, time.time())
+        handle = executor.launch(req, time.time())
+        assert handle.running_at is not None  # a local process runs from its launch
+        identity = ProcessIdentity.from_handle(handle)
+        assert identity is not None, handle
         self.pgids.add(identity.pid)
         return identity
 
@@ -484,7 +487,7 @@ def adopt_request(
         attempt_id=req.attempt_id,
         work_dir=req.work_dir,
         notice_path=req.notice_path,
-        identity=identity,
+        handle=None if identity is None else identity.handle(running_at=identity.started_at),
         stop_deadline=deadline,
     )
 
@@ -500,7 +503,7 @@ def test_a_new_control_plane_adopts_a_running_step_and_reads_its_exit(env: Env) 
     b = env.executor(instance)
     result = b.adopt(adopt_request(req, identity), time.time())
     assert result.outcome is AdoptOutcome.ADOPTED
-    assert result.identity == identity
+    assert result.handle is not None and ProcessIdentity.from_handle(result.handle) == identity
     loop = Loop(b)
     loop.poll()
     assert loop.exits == {}
@@ -523,7 +526,7 @@ def test_adoption_without_a_recorded_pid_finds_the_shim(env: Env, keep_shim_file
     b = env.executor(instance)
     result = b.adopt(adopt_request(req, None), time.time())
     assert result.outcome is AdoptOutcome.ADOPTED
-    assert result.identity is not None and result.identity.pid == identity.pid
+    assert result.handle is not None and result.handle.ref == str(identity.pid)
     go(req)
     assert Loop(b).wait_exit(1).exit_code == 0
 
@@ -587,7 +590,7 @@ def test_a_stale_identity_is_lost_and_the_process_holding_the_pid_is_left_alone(
         result = ex.adopt(adopt_request(req, identity, deadline=past), time.time())
         assert result.outcome is AdoptOutcome.LOST
     assert ex.watched() == set()
-    assert ex.poll(time.time()) == []
+    assert ex.poll(time.time()).exits == ()
     assert stranger.poll() is None and alive(stranger.pid)
 
 
@@ -737,15 +740,15 @@ def test_an_exit_is_reported_at_every_poll_until_acknowledged(env: Env) -> None:
     ex = env.executor()
     req = env.request(1, ("true",))
     env.launch(ex, req)
-    first = wait_until(lambda: ex.poll(time.time()), what="the exit")
+    first = wait_until(lambda: ex.poll(time.time()).exits, what="the exit")
     assert [(e.attempt_id, e.exit_code, e.wall_clock) for e in first] == [(1, 0, True)]
     assert ex.watched() == set() and ex.pending_exits() == {1}
-    assert ex.poll(time.time()) == first  # the store did not have it yet: reported again
+    assert ex.poll(time.time()).exits == first  # the store did not have it yet: reported again
     ex.notify_stop(1, time.time() + 5, time.time())  # it has ended: nothing to stop, no error
     adopted = ex.adopt(adopt_request(req, None), time.time())
     assert adopted.outcome is AdoptOutcome.EXITED and adopted.exit == first[0]
     ex.ack_exit(1)
-    assert ex.poll(time.time()) == [] and ex.pending_exits() == set()
+    assert ex.poll(time.time()).exits == () and ex.pending_exits() == set()
 
 
 def test_a_work_dir_that_cannot_be_made_is_an_infrastructure_failure(env: Env) -> None:

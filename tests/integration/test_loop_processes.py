@@ -204,9 +204,8 @@ def test_a_step_that_ignores_notice_is_killed_at_the_deadline(lt: Embedded) -> N
     att = detail(lt, job)["attempts"][0]
     assert att["killed_at_deadline"] is True
     assert att["ended_at"] >= att["stop_deadline"]
-    assert (att["pid"] is not None and not psutil.pid_exists(att["pid"])) or psutil.Process(
-        att["pid"]
-    ).status() == psutil.STATUS_ZOMBIE
+    pid = int(att["handle"])  # the local executor's handle is the shim's pid
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
 def test_checkpoints_written_to_latest_are_recorded_and_handed_to_the_next_attempt(lt: Embedded) -> None:
@@ -265,7 +264,7 @@ def test_restart_of_the_control_plane_readopts_a_running_step(tmp_path: Path) ->
         },
     )
     tick_until(first, lambda: steps(first, job)["a"] == "RUNNING", what="start")
-    pid = first.store.active_attempts()[0].pid
+    pid = int(first.store.active_attempts()[0].handle or 0)
     # The control plane goes away without stopping anything (as after kill -9).
     first.close()
     second = embedded(tmp_path, auth={"enabled": False})
@@ -298,7 +297,7 @@ def test_a_step_that_vanished_while_the_control_plane_was_down_is_requeued(tmp_p
         },
     )
     tick_until(first, lambda: steps(first, job)["a"] == "RUNNING", what="start")
-    pid = first.store.active_attempts()[0].pid
+    pid = int(first.store.active_attempts()[0].handle or 0)
     first.close()
     os.killpg(pid, signal.SIGKILL)  # the whole step group dies while nobody watches
     wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)

@@ -28,7 +28,8 @@ WRITES = frozenset(
     {
         "finish_attempt",
         "begin_attempt",
-        "set_attempt_process",
+        "record_launch",
+        "mark_running",
         "mark_stopping",
         "apply_dag",
         "set_waiting_reasons",
@@ -130,7 +131,7 @@ def test_a_failed_launch_the_store_could_not_record_is_recorded_later(world: Any
     store.inner.finish_attempt = original
     h.tick(check=False)
     attempt = h.last_attempt(job)
-    assert attempt.state == AttemptState.RUNNING  # booked; its failure is not recorded yet
+    assert attempt.state == AttemptState.PENDING  # booked, never launched; its failure is not recorded yet
     store.down = False
     artifacts.broken = False
     h.tick()

@@ -176,11 +176,11 @@ def test_only_the_leader_acts_and_the_standby_takes_over_a_killed_leader_without
     job = r.json()["id"]
 
     def running() -> dict[str, Any] | None:
-        atts = [x for x in a.job(job)["attempts"] if x["state"] == "RUNNING" and x["pid"]]
+        atts = [x for x in a.job(job)["attempts"] if x["state"] == "RUNNING" and x["handle"]]
         return atts[0] if atts and starts.exists() else None
 
     attempt = wait_until(running, timeout=60, what="the leader to launch the step")
-    assert psutil.pid_exists(attempt["pid"])
+    assert psutil.pid_exists(int(attempt["handle"]))
     assert "recovered:" not in b.log()  # the standby never recovered (adopted, reaped) anything
 
     a.kill9()
@@ -210,7 +210,7 @@ def test_only_the_leader_acts_and_the_standby_takes_over_a_killed_leader_without
     job2 = r.json()["id"]
 
     def running2() -> dict[str, Any] | None:
-        atts = [x for x in a.job(job2)["attempts"] if x["state"] == "RUNNING" and x["pid"]]
+        atts = [x for x in a.job(job2)["attempts"] if x["state"] == "RUNNING" and x["handle"]]
         return atts[0] if atts and starts2.exists() else None
 
     attempt2 = wait_until(running2, timeout=60, what="the leader b to launch the second step")
@@ -223,7 +223,7 @@ def test_only_the_leader_acts_and_the_standby_takes_over_a_killed_leader_without
         b.proc.send_signal(signal.SIGCONT)
     wait_until(lambda: b.role() == "standby", timeout=TTL * 10, what="the resumed leader to stand by")
     assert "stepping down" in b.log() and "stopped acting" in b.log()
-    assert psutil.pid_exists(attempt2["pid"])  # the old leader killed nothing
+    assert psutil.pid_exists(int(attempt2["handle"]))  # the old leader killed nothing
     release2.touch()
     done = wait_until(
         lambda: (d := a.job(job2))["job"]["state"] in ("SUCCEEDED", "FAILED", "CANCELLED") and d,

@@ -14,6 +14,7 @@ from lowtide.domain.spec_render import render_step
 from lowtide.policy.dag import advance
 from lowtide.policy.outcomes import ExitDecision, RetryPolicy, classify_exit
 from lowtide.store.repo import Store
+from support import running
 
 LAYOUT = ArtifactLayout("/art", "/work")
 NODES = (Node("n1", (0, 1, 2, 3)), Node("n2", (0, 1)))
@@ -65,8 +66,11 @@ def submit(
 def start(
     store: Store, job_id: str, step: str, now: float, node: str = "n1", gpus: tuple[int, ...] = ()
 ) -> AttemptLaunch:
-    return store.begin_attempt(
-        job_id=job_id, step=step, node=node, gpus=gpus, layout=LAYOUT, now=now, reason="test"
+    return running(
+        store,
+        store.begin_attempt(
+            job_id=job_id, step=step, node=node, gpus=gpus, layout=LAYOUT, now=now, reason="test"
+        ),
     )
 
 

@@ -7,13 +7,17 @@ from storekit import LAYOUT, NODES, submit
 
 from lowtide.control.clock import FakeClock
 from lowtide.store.repo import Store
+from support import running
 
 
 def test_checkpoints_resumes_and_bad_marks_are_kept_with_the_attempt(store: Store, clock: FakeClock) -> None:
     store.ensure_gpus(NODES, clock.now())
     job_id = submit(store, clock)
-    launch = store.begin_attempt(
-        job_id=job_id, step="prep", node="n1", gpus=(), layout=LAYOUT, now=clock.now(), reason=""
+    launch = running(
+        store,
+        store.begin_attempt(
+            job_id=job_id, step="prep", node="n1", gpus=(), layout=LAYOUT, now=clock.now(), reason=""
+        ),
     )
     assert store.step_checkpoints(job_id, "prep") == []
     for label in ("c1", "c2"):

@@ -33,6 +33,7 @@ from lowtide.store import ledger
 from lowtide.store.db import alembic_config
 from lowtide.store.repo import Store
 from lowtide.store.schema import attempts, gpu_ledger, steps
+from support import running
 
 H = 3600
 T0 = 1_789_999_200  # a whole hour (2026-09-21 14:00 UTC)
@@ -193,14 +194,17 @@ def test_a_preemption_and_a_cancellation_written_by_the_store_are_told_apart(sto
     add_job(store, "job-1", "sft", "nlp", gpus=2)
 
     def run_until_stopped(step_state: StepState, *, checkpoint_after: float | None, runs: float) -> int:
-        launch = store.begin_attempt(
-            job_id="job-1",
-            step="train",
-            node="n1",
-            gpus=(0, 1),
-            layout=LAYOUT,
-            now=clock.now(),
-            reason="test",
+        launch = running(
+            store,
+            store.begin_attempt(
+                job_id="job-1",
+                step="train",
+                node="n1",
+                gpus=(0, 1),
+                layout=LAYOUT,
+                now=clock.now(),
+                reason="test",
+            ),
         )
         if checkpoint_after is not None:
             clock.advance(checkpoint_after)
@@ -390,14 +394,17 @@ def test_gpu_seconds_booked_through_the_api_add_up_to_capacity_times_time(
             jobs += 1
             add_job(store, f"job-{jobs}", "j", "nlp", gpus=1)
             with contextlib.suppress(GpuBusy):
-                launch = store.begin_attempt(
-                    job_id=f"job-{jobs}",
-                    step="train",
-                    node="n1",
-                    gpus=(gpu,),
-                    layout=LAYOUT,
-                    now=now,
-                    reason="",
+                launch = running(
+                    store,
+                    store.begin_attempt(
+                        job_id=f"job-{jobs}",
+                        step="train",
+                        node="n1",
+                        gpus=(gpu,),
+                        layout=LAYOUT,
+                        now=now,
+                        reason="",
+                    ),
                 )
                 attempt_of[holder] = launch.attempt_id
         elif op == "hold-replica" and not replica_holds:

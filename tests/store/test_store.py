@@ -14,7 +14,7 @@ from alembic.migration import MigrationContext
 from storekit import HALF_LIFE, LAYOUT, NODES, advance_dag, finish, start, submit
 
 from lowtide.control.clock import FakeClock
-from lowtide.control.executor_port import ProcessIdentity
+from lowtide.control.executor_port import AttemptHandle, ExitReason
 from lowtide.control.records import GpuBusy, LastAdminToken, StaleState
 from lowtide.domain.states import AttemptState, IllegalTransition, JobState, ReclaimState, StepState
 from lowtide.domain.states import ReplicaState as R
@@ -24,6 +24,7 @@ from lowtide.store.memory import MemoryStore
 from lowtide.store.repo import Store, hash_token
 from lowtide.store.schema import metadata, tokens
 from lowtide.store.transitions import move_step
+from support import running
 
 
 def test_migrations_create_exactly_the_declared_schema(sql_store: Store) -> None:
@@ -66,8 +67,11 @@ def test_listing_filters_by_state_team_and_owner(store: Store, clock: FakeClock)
 def test_starting_a_step_books_its_gpus_and_the_ledger_records_it(store: Store, clock: FakeClock) -> None:
     store.ensure_gpus(NODES, clock.now())
     job_id = submit(store, clock)
-    launch = store.begin_attempt(
-        job_id=job_id, step="prep", node="n1", gpus=(), layout=LAYOUT, now=clock.now(), reason="test"
+    launch = running(
+        store,
+        store.begin_attempt(
+            job_id=job_id, step="prep", node="n1", gpus=(), layout=LAYOUT, now=clock.now(), reason="test"
+        ),
     )
     assert launch.number == 1
     assert launch.work_dir == "/work/jobs/job-000000000001/prep/attempt-1"
@@ -75,8 +79,11 @@ def test_starting_a_step_books_its_gpus_and_the_ledger_records_it(store: Store, 
     # A GPU step: its GPUs move from idle to the attempt in the ledger.
     finish(store, launch.attempt_id, clock.now())
     advance_dag(store, job_id, clock.now())
-    launch2 = store.begin_attempt(
-        job_id=job_id, step="train", node="n1", gpus=(0, 1), layout=LAYOUT, now=clock.now(), reason="test"
+    launch2 = running(
+        store,
+        store.begin_attempt(
+            job_id=job_id, step="train", node="n1", gpus=(0, 1), layout=LAYOUT, now=clock.now(), reason="test"
+        ),
     )
     held = {(h.node, h.index): h for h in store.holdings()}
     assert held[("n1", 0)].holder_kind == "attempt"
@@ -92,10 +99,18 @@ def test_a_gpu_cannot_be_booked_twice_and_a_failed_booking_writes_nothing(
     store.ensure_gpus(NODES, clock.now())
     a = submit(store, clock, "job-00000000000a", steps=[{"name": "x", "command": ["true"], "gpus": 2}])
     b = submit(store, clock, "job-00000000000b", steps=[{"name": "x", "command": ["true"], "gpus": 2}])
-    store.begin_attempt(job_id=a, step="x", node="n2", gpus=(0, 1), layout=LAYOUT, now=clock.now(), reason="")
-    with pytest.raises(GpuBusy):
+    running(
+        store,
         store.begin_attempt(
-            job_id=b, step="x", node="n2", gpus=(1, 0), layout=LAYOUT, now=clock.now(), reason=""
+            job_id=a, step="x", node="n2", gpus=(0, 1), layout=LAYOUT, now=clock.now(), reason=""
+        ),
+    )
+    with pytest.raises(GpuBusy):
+        running(
+            store,
+            store.begin_attempt(
+                job_id=b, step="x", node="n2", gpus=(1, 0), layout=LAYOUT, now=clock.now(), reason=""
+            ),
         )
     detail = store.job_detail(b)
     assert detail.attempts == ()
@@ -107,13 +122,19 @@ def test_a_step_that_is_no_longer_ready_cannot_be_started(store: Store, clock: F
     job_id = submit(store, clock)
     store.ensure_gpus(NODES, clock.now())
     with pytest.raises(IllegalTransition):  # PENDING -> RUNNING is not in the table
-        store.begin_attempt(
-            job_id=job_id, step="train", node="n1", gpus=(0,), layout=LAYOUT, now=clock.now(), reason=""
+        running(
+            store,
+            store.begin_attempt(
+                job_id=job_id, step="train", node="n1", gpus=(0,), layout=LAYOUT, now=clock.now(), reason=""
+            ),
         )
     store.request_cancel(job_id, by="alice", now=clock.now())
     with pytest.raises(StaleState):
-        store.begin_attempt(
-            job_id=job_id, step="prep", node="n1", gpus=(), layout=LAYOUT, now=clock.now(), reason=""
+        running(
+            store,
+            store.begin_attempt(
+                job_id=job_id, step="prep", node="n1", gpus=(), layout=LAYOUT, now=clock.now(), reason=""
+            ),
         )
 
 
@@ -169,8 +190,11 @@ def test_guarded_writes_refuse_a_stale_expected_state(store: Store, clock: FakeC
 def test_cancel_stops_running_steps_with_notice_and_cancels_the_rest(store: Store, clock: FakeClock) -> None:
     store.ensure_gpus(NODES, clock.now())
     job_id = submit(store, clock)
-    launch = store.begin_attempt(
-        job_id=job_id, step="prep", node="n1", gpus=(), layout=LAYOUT, now=clock.now(), reason=""
+    launch = running(
+        store,
+        store.begin_attempt(
+            job_id=job_id, step="prep", node="n1", gpus=(), layout=LAYOUT, now=clock.now(), reason=""
+        ),
     )
     record = store.request_cancel(job_id, by="alice", now=clock.now())
     # A step still holds GPUs: the job is CANCELLING until it has exited (issue 12).
@@ -223,10 +247,13 @@ def test_an_exit_releases_gpus_folds_usage_and_the_ledger_adds_up(store: Store, 
     t0 = clock.now()
     store.ensure_gpus(NODES, t0)
     job_id = submit(store, clock, steps=[{"name": "x", "command": ["false"], "gpus": 2}], max_retries=1)
-    launch = store.begin_attempt(
-        job_id=job_id, step="x", node="n1", gpus=(2, 3), layout=LAYOUT, now=clock.advance(10), reason=""
+    launch = running(
+        store,
+        store.begin_attempt(
+            job_id=job_id, step="x", node="n1", gpus=(2, 3), layout=LAYOUT, now=clock.advance(10), reason=""
+        ),
     )
-    store.set_attempt_process(launch.attempt_id, ProcessIdentity(4242, 123.5))
+    store.record_launch(launch.attempt_id, AttemptHandle("4242", 123.5, clock.now()))
     end = clock.advance(100)
     ctx = store.exit_context(launch.attempt_id)
     decision = classify_exit(
@@ -245,7 +272,12 @@ def test_an_exit_releases_gpus_folds_usage_and_the_ledger_adds_up(store: Store, 
     step = store.job_detail(job_id).steps[0]
     assert step.state == StepState.READY and step.retries_used == 1 and step.eligible_at == end + 10
     att = store.attempt(launch.attempt_id)
-    assert (att.state, att.exit_code, att.pid) == (AttemptState.FAILED, 1, 4242)
+    assert (att.state, att.exit_code, att.handle, att.handle_started_at) == (
+        AttemptState.FAILED,
+        1,
+        "4242",
+        123.5,
+    )
     assert all(h.holder_kind == "idle" for h in store.holdings())
     by_holder = store.gpu_seconds_by_holder(t0, clock.advance(50))
     assert by_holder["attempt"] == pytest.approx(200.0)
@@ -258,8 +290,11 @@ def test_an_exit_releases_gpus_folds_usage_and_the_ledger_adds_up(store: Store, 
 def test_a_stale_exit_decision_is_refused(store: Store, clock: FakeClock) -> None:
     store.ensure_gpus(NODES, clock.now())
     job_id = submit(store, clock)
-    launch = store.begin_attempt(
-        job_id=job_id, step="prep", node="n1", gpus=(), layout=LAYOUT, now=clock.now(), reason=""
+    launch = running(
+        store,
+        store.begin_attempt(
+            job_id=job_id, step="prep", node="n1", gpus=(), layout=LAYOUT, now=clock.now(), reason=""
+        ),
     )
     ctx = store.exit_context(launch.attempt_id)  # step RUNNING
     store.request_cancel(job_id, by="alice", now=clock.now())  # step now CANCELLING
@@ -289,8 +324,11 @@ def test_a_stale_exit_decision_is_refused(store: Store, clock: FakeClock) -> Non
 def test_dag_changes_apply_with_guards(store: Store, clock: FakeClock) -> None:
     store.ensure_gpus(NODES, clock.now())
     job_id = submit(store, clock)
-    launch = store.begin_attempt(
-        job_id=job_id, step="prep", node="n1", gpus=(), layout=LAYOUT, now=clock.now(), reason=""
+    launch = running(
+        store,
+        store.begin_attempt(
+            job_id=job_id, step="prep", node="n1", gpus=(), layout=LAYOUT, now=clock.now(), reason=""
+        ),
     )
     ctx = store.exit_context(launch.attempt_id)
     decision = classify_exit(
@@ -325,8 +363,11 @@ def test_dag_changes_apply_with_guards(store: Store, clock: FakeClock) -> None:
 def test_checkpoints_are_recorded_once_per_label(store: Store, clock: FakeClock) -> None:
     store.ensure_gpus(NODES, clock.now())
     job_id = submit(store, clock)
-    launch = store.begin_attempt(
-        job_id=job_id, step="prep", node="n1", gpus=(), layout=LAYOUT, now=clock.now(), reason=""
+    launch = running(
+        store,
+        store.begin_attempt(
+            job_id=job_id, step="prep", node="n1", gpus=(), layout=LAYOUT, now=clock.now(), reason=""
+        ),
     )
     assert store.record_checkpoint(
         launch.attempt_id, label="step-10", progress="10/100", source="file", now=clock.now()
@@ -621,3 +662,102 @@ def test_a_launch_carries_the_attempt_record_and_resumes_from_the_last_checkpoin
     store.set_waiting_reasons({(job_id, "x"): "whatever", ("job-nope", "x"): "ignored"})
     detail = store.job_detail(job_id)
     assert detail.events[-1].message == "hello" and detail.steps[0].reason == "whatever"
+
+
+def test_a_pending_attempt_books_gpus_runs_when_told_and_keeps_why_it_ended(
+    store: Store, clock: FakeClock
+) -> None:
+    t0 = clock.now()
+    store.ensure_gpus(NODES, t0)
+    job_id = submit(store, clock, steps=[{"name": "x", "command": ["true"], "gpus": 2}], max_retries=1)
+    launch = store.begin_attempt(
+        job_id=job_id, step="x", node="n1", gpus=(0, 1), layout=LAYOUT, now=clock.advance(10), reason=""
+    )
+    # Launched but not running (an image being pulled): PENDING, its GPUs booked.
+    store.record_launch(launch.attempt_id, AttemptHandle("ns/pod-x-1/uid-1", clock.now(), None))
+    att = store.attempt(launch.attempt_id)
+    assert (att.state, att.handle, att.running_at) == (AttemptState.PENDING, "ns/pod-x-1/uid-1", None)
+    assert [a.id for a in store.active_attempts()] == [launch.attempt_id]
+    assert sorted(h.index for h in store.holdings() if h.holder_kind == "attempt") == [0, 1]
+    ran_at = clock.advance(30)
+    store.mark_running(launch.attempt_id, ran_at)
+    store.mark_running(launch.attempt_id, clock.advance(5))  # reported twice: the first start stands
+    att = store.attempt(launch.attempt_id)
+    assert (att.state, att.running_at) == (AttemptState.RUNNING, ran_at)
+
+    # An OOMKill: the step's own failure, the reason and the executor's words kept.
+    end = clock.advance(100)
+    ctx = store.exit_context(launch.attempt_id)
+    decision = classify_exit(
+        step_state=ctx.step_state,
+        exit_code=137,
+        signal=None,
+        killed_at_deadline=False,
+        retries_used=ctx.retries_used,
+        max_retries=ctx.max_retries,
+        now=end,
+        retry=RetryPolicy(10, 600),
+        reason=ExitReason.OOM_KILLED,
+        detail="OOMKilled (exit code 137)",
+    )
+    store.finish_attempt(
+        ctx,
+        decision,
+        ended_at=end,
+        exit_code=137,
+        signal=None,
+        killed_at_deadline=False,
+        half_life_s=HALF_LIFE,
+        reason=ExitReason.OOM_KILLED,
+        detail="OOMKilled (exit code 137)",
+    )
+    att = store.attempt(launch.attempt_id)
+    assert (att.state, att.exit_reason, att.exit_detail) == (
+        AttemptState.FAILED,
+        ExitReason.OOM_KILLED,
+        "OOMKilled (exit code 137)",
+    )
+    assert "OOMKilled" in att.message
+    # Work is lost from when it began to run (the image pull did none): 2 GPUs × 105 s.
+    assert att.lost_gpu_seconds == pytest.approx(2 * (end - ran_at))
+
+
+def test_a_pending_attempt_can_be_preempted_and_loses_no_work(store: Store, clock: FakeClock) -> None:
+    store.ensure_gpus(NODES, clock.now())
+    job_id = submit(store, clock, steps=[{"name": "x", "command": ["true"], "gpus": 1}])
+    launch = store.begin_attempt(
+        job_id=job_id, step="x", node="n1", gpus=(0,), layout=LAYOUT, now=clock.advance(1), reason=""
+    )
+    store.record_launch(launch.attempt_id, AttemptHandle("p", clock.now(), None))
+    store.request_preemption(launch.attempt_id, grace_s=5, reason="GPUs reclaimed", now=clock.advance(1))
+    due = store.notices_due()
+    assert [n.attempt_id for n in due] == [launch.attempt_id]
+    store.mark_stopping(launch.attempt_id, deadline=clock.now() + 5, reason="GPUs reclaimed", now=clock.now())
+    end = clock.advance(1)
+    ctx = store.exit_context(launch.attempt_id)
+    assert ctx.attempt_state == AttemptState.STOPPING
+    decision = classify_exit(
+        step_state=ctx.step_state,
+        noticed=True,
+        exit_code=None,
+        signal=None,
+        killed_at_deadline=False,
+        retries_used=0,
+        max_retries=0,
+        now=end,
+        retry=RetryPolicy(10, 600),
+        reason=ExitReason.DELETED,
+        detail="withdrawn while pending",
+    )
+    store.finish_attempt(
+        ctx,
+        decision,
+        ended_at=end,
+        exit_code=None,
+        signal=None,
+        killed_at_deadline=False,
+        half_life_s=HALF_LIFE,
+    )
+    att = store.attempt(launch.attempt_id)
+    assert (att.state, att.running_at, att.lost_gpu_seconds) == (AttemptState.INTERRUPTED, None, 0.0)
+    assert store.job_detail(job_id).steps[0].state == StepState.PREEMPTED

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from lowtide.cli.main import app
 from lowtide.cli.output import clean, safe
 from lowtide.wiring import Embedded
-from support import Served, embedded
+from support import Served, embedded, running
 
 ESC = "\x1b"
 JOB = {
@@ -59,14 +59,17 @@ def cli(tmp_path: Path) -> Iterator[Cli]:
     assert r.status_code == 201, r.text
     job = r.json()["id"]
     lt.store.ensure_gpus(lt.nodes, lt.clock.now())
-    launch = lt.store.begin_attempt(
-        job_id=job,
-        step="train",
-        node="node-a",
-        gpus=(),
-        layout=lt.loop.settings.layout,
-        now=lt.clock.now(),
-        reason="test",
+    launch = running(
+        lt.store,
+        lt.store.begin_attempt(
+            job_id=job,
+            step="train",
+            node="node-a",
+            gpus=(),
+            layout=lt.loop.settings.layout,
+            now=lt.clock.now(),
+            reason="test",
+        ),
     )
     now = lt.clock.now()
     for label in ("[/bold]ckpt", f"{ESC}[2Jwiped", "rtl\u202eevil"):

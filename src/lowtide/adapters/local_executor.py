@@ -101,13 +101,21 @@ from lowtide.control.executor_port import (
     AdoptRequest,
     AdoptResult,
     AttemptExit,
+    AttemptHandle,
     ExecutorError,
     LaunchRequest,
+    PollReport,
     ProcessIdentity,
     RunAs,
 )
 
 log = logging.getLogger(__name__)
+
+
+def _as_handle(identity: ProcessIdentity | None) -> AttemptHandle | None:
+    """A local attempt's handle: its shim's pid, running since the process started."""
+    return None if identity is None else identity.handle(running_at=identity.started_at)
+
 
 __all__ = ["EXIT_FILE", "SHIM_FILE", "SHIM_MODULE", "START_TIME_TOLERANCE", "TAG_ENV", "LocalExecutor"]
 
@@ -279,7 +287,7 @@ class LocalExecutor:
 
     # -- launch ---------------------------------------------------------------------------
 
-    def launch(self, request: LaunchRequest, now: float) -> ProcessIdentity:
+    def launch(self, request: LaunchRequest, now: float) -> AttemptHandle:
         if request.attempt_id in self._watched or request.attempt_id in self._exited:
             raise ExecutorError(f"attempt {request.attempt_id} is already running", temporary=False)
         req = replace(request, work_dir=str(Path(request.work_dir).absolute()))
@@ -375,7 +383,7 @@ class LocalExecutor:
             log_path=req.log_path,
         )
         self._watch_exit(req.attempt_id, identity)
-        return identity
+        return identity.handle(running_at=now)  # a local process runs from its launch
 
     # -- stop -----------------------------------------------------------------------------
 
@@ -443,7 +451,7 @@ class LocalExecutor:
 
     # -- watch ----------------------------------------------------------------------------
 
-    def poll(self, now: float) -> list[AttemptExit]:
+    def poll(self, now: float) -> PollReport:
         """New exits join those not yet acknowledged; all are reported (see `ack_exit`)."""
         reap_exited(self._reap_later)
         reap_exited(_DETACHED)
@@ -461,7 +469,7 @@ class LocalExecutor:
                     self._watcher.forget(("attempt", watch.attempt_id))
                 self._exited[watch.attempt_id] = result
                 exits.append(result)
-        return exits
+        return PollReport(exits=tuple(exits))  # nothing is ever pending: a process runs at once
 
     def ack_exit(self, attempt_id: int) -> None:
         self._exited.pop(attempt_id, None)
@@ -529,12 +537,15 @@ class LocalExecutor:
     # -- adoption -------------------------------------------------------------------------
 
     def adopt(self, request: AdoptRequest, now: float) -> AdoptResult:
+        """Re-attach to an attempt's shim. A local attempt runs from its launch: the handle
+        found (a pid) carries `running_at` = the process's start."""
+        given = ProcessIdentity.from_handle(request.handle) if request.handle is not None else None
         known = self._watched.get(request.attempt_id)
         if known is not None:
-            return AdoptResult(AdoptOutcome.ADOPTED, identity=known.identity)
+            return AdoptResult(AdoptOutcome.ADOPTED, handle=_as_handle(known.identity))
         ended = self._exited.get(request.attempt_id)
         if ended is not None:  # reported, not yet recorded: still reported until acknowledged
-            return AdoptResult(AdoptOutcome.EXITED, exit=ended, identity=request.identity)
+            return AdoptResult(AdoptOutcome.EXITED, exit=ended, handle=_as_handle(given))
         work_dir = Path(request.work_dir).absolute()
         exit_file = str(work_dir / EXIT_FILE)
         shim_info = self._read_shim_file(work_dir, request.attempt_id)
@@ -542,7 +553,7 @@ class LocalExecutor:
         if container is None and self._runtime is not None:
             container = container_name(self.instance_id, request.attempt_id)
 
-        identity = request.identity
+        identity = given
         if _read_status(exit_file) is None:
             if identity is not None:
                 live = self._is_live_shim(identity, request.attempt_id, require_instance=False)
@@ -567,16 +578,16 @@ class LocalExecutor:
                 self._watch_exit(request.attempt_id, identity)
                 if resend and request.stop_deadline is not None:
                     self.notify_stop(request.attempt_id, request.stop_deadline, now)
-                return AdoptResult(AdoptOutcome.ADOPTED, identity=identity)
+                return AdoptResult(AdoptOutcome.ADOPTED, handle=_as_handle(identity))
 
         # Not running: it finished while we were down, or vanished. Its leftovers must not keep
         # the GPUs; only processes carrying its tag are touched (never whoever has the pid now).
         _kill_tagged(_tag(self.instance_id, request.attempt_id))
         status = _read_status(exit_file)  # re-read: it may have been written since the first look
-        known_identity = request.identity or (shim_info[0] if shim_info else None)
+        known_identity = given or (shim_info[0] if shim_info else None)
         if status is None:
             self._kill_container(request.attempt_id, container)  # its client is gone, maybe not it
-            return AdoptResult(AdoptOutcome.LOST, identity=known_identity)
+            return AdoptResult(AdoptOutcome.LOST, handle=_as_handle(known_identity))
         ended = AttemptExit(
             request.attempt_id,
             status.exit_code,
@@ -586,7 +597,7 @@ class LocalExecutor:
             wall_clock=True,
         )
         self._exited[request.attempt_id] = ended  # reported by `poll` too until acknowledged
-        return AdoptResult(AdoptOutcome.EXITED, exit=ended, identity=known_identity)
+        return AdoptResult(AdoptOutcome.EXITED, exit=ended, handle=_as_handle(known_identity))
 
     def _is_live_shim(self, identity: ProcessIdentity, attempt_id: int, *, require_instance: bool) -> bool:
         parsed = live_shim_args(identity)

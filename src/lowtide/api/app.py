@@ -1,8 +1,8 @@
 """The FastAPI application: routes over the store, shaped errors, OpenAPI at /docs.
 
 Neighbours: `wiring` builds an `ApiContext` (store, clock, nodes, layout, templates) and calls
-`create_app`; the control loop runs beside it and is woken through `on_change` after a submit or
-cancel. Job specs are read only from application/yaml, application/json (whose body schema is
+`create_app`; the control loop runs beside it and is woken through `on_change` after a submit,
+cancel or retry. Job specs are read only from application/yaml, application/json (whose body schema is
 `domain.spec_schema`) or application/octet-stream: never from the types a browser sends cross-site
 without a CORS preflight (text/plain, forms), nor without a Content-Type (415). CORS is closed
 unless `api.cors_origins` names origins. Must not: start, stop or signal processes (the loop does,
@@ -12,13 +12,9 @@ through its executor).
 from __future__ import annotations
 
 import contextlib
-import errno
-import os
-import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
@@ -27,6 +23,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from lowtide import __version__
+from lowtide.adapters.local_logs import LocalLogReader
 from lowtide.api import dashboard, idempotency, schemas
 from lowtide.api import reports as reports_api
 from lowtide.api import services as services_api
@@ -46,12 +43,15 @@ from lowtide.api.metrics import LoopStatus, metrics_text
 from lowtide.control.clock import Clock
 from lowtide.control.contract import parse_checkpoint_label
 from lowtide.control.inference import InferenceController
+from lowtide.control.log_port import AttemptLogRef, LogReader
 from lowtide.control.records import (
     IdempotencyConflict,
     JobRecord,
     LastAdminToken,
     NewJob,
     NotFound,
+    NotRetriable,
+    StaleState,
     StoreUnavailable,
 )
 from lowtide.control.secrets_port import SecretRule, secret_issues
@@ -64,8 +64,9 @@ from lowtide.domain.spec_issues import SpecInvalid, excerpt
 from lowtide.domain.spec_parse import TemplateLookup, build_job_spec, image_warnings, require_images
 from lowtide.domain.spec_render import parse_param_assignment, render_step
 from lowtide.domain.spec_schema import job_spec_schema
-from lowtide.domain.states import AttemptState, JobState
+from lowtide.domain.states import JobState
 from lowtide.policy.accounting import AccountingPolicy, GroupBy
+from lowtide.policy.attempt_rules import ACTIVE_ATTEMPT_STATES
 from lowtide.store.repo import Store
 
 _T = TypeVar("_T")
@@ -124,6 +125,11 @@ class ApiContext:
     #: Seconds the store may fail before /healthz answers 503 (config `api.store_unhealthy_after`).
     store_unhealthy_after_s: float = 30.0
     extra: dict[str, Any] = field(default_factory=dict)
+    #: Where attempt logs are read (the executor's log port); None: the local executor's files.
+    logs: LogReader | None = None
+
+    def log_reader(self) -> LogReader:
+        return self.logs if self.logs is not None else LocalLogReader(self.layout)
 
     @property
     def max_gpus_per_node(self) -> int:
@@ -417,6 +423,32 @@ def create_app(ctx: ApiContext) -> FastAPI:
         response.headers["Location"] = f"/v1/jobs/{new_job.id}"
         return schemas.job_out(new_job)
 
+    @v1.post(
+        "/jobs/{job_id}/retry",
+        response_model=schemas.RetryOut,
+        responses={404: {"model": schemas.ErrorOut}, 409: {"model": schemas.ErrorOut}},
+        summary="Retry a FAILED or CANCELLED job in place from its failed steps (succeeded steps kept)",
+    )
+    def retry_job(who: Who, job_id: str) -> schemas.RetryOut:
+        job = _found(lambda: ctx.store.job(job_id))
+        require_owner_or_admin(who, job, "retry")
+        try:
+            record = _found(lambda: ctx.store.retry_job(job_id, by=who.name, now=ctx.clock.now()))
+        except NotRetriable as exc:
+            raise ApiError(409, "conflict", str(exc), [("path.job_id", exc.reason)]) from exc
+        except StaleState as exc:  # another writer moved the job first (a racing retry or cancel)
+            now = ctx.store.job(job_id).state.value
+            raise ApiError(
+                409, "conflict", f"job {job_id} is {now}: it moved meanwhile", [("path.job_id", now)]
+            ) from exc
+        ctx.on_change()
+        return schemas.RetryOut(
+            job=schemas.job_out(record.job),
+            queued=list(record.queued),
+            waiting=list(record.waiting),
+            kept=list(record.kept),
+        )
+
     @v1.get(
         "/jobs/{job_id}/steps/{step}/logs",
         response_class=PlainTextResponse,
@@ -449,22 +481,23 @@ def create_app(ctx: ApiContext) -> FastAPI:
                 f"step '{step}' has no attempt {attempt}",
                 [("query.attempt", f"attempts: 1..{attempts[-1].number}")],
             )
-        path = Path(ctx.layout.attempt_log(job_id, step, chosen.number))
+        ref = AttemptLogRef(job_id, step, chosen.number, chosen.handle)
         if not follow:
-            return PlainTextResponse(_read_from(path, offset))
-        return StreamingResponse(_follow(path, offset, chosen.id), media_type="text/plain; charset=utf-8")
+            return PlainTextResponse(_read_from(ctx.log_reader(), ref, offset))
+        return StreamingResponse(_follow(ref, offset, chosen.id), media_type="text/plain; charset=utf-8")
 
-    def _follow(path: Path, offset: int, attempt_id: int) -> Iterator[bytes]:
+    def _follow(ref: AttemptLogRef, offset: int, attempt_id: int) -> Iterator[bytes]:
+        logs = ctx.log_reader()
         pos = offset
         while True:
-            chunk = _read_bytes(path, pos)
+            chunk = logs.read(ref, pos)
             if chunk:
                 pos += len(chunk)
                 yield chunk
                 continue
             state = ctx.store.attempt(attempt_id).state
-            if state not in (AttemptState.RUNNING, AttemptState.STOPPING):
-                tail = _read_bytes(path, pos)
+            if state not in ACTIVE_ATTEMPT_STATES:
+                tail = logs.read(ref, pos)
                 if tail:
                     yield tail
                 return
@@ -481,7 +514,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
         who: Who, job_id: str, step: str, body: schemas.CheckpointIn
     ) -> schemas.CheckpointOut:
         attempts = _found(lambda: ctx.store.step_attempts(job_id, step))
-        running = [a for a in attempts if a.state in (AttemptState.RUNNING, AttemptState.STOPPING)]
+        running = [a for a in attempts if a.state in ACTIVE_ATTEMPT_STATES]
         if who.role == "step":
             if not running or running[-1].id != who.attempt_id:
                 raise ApiError(
@@ -770,33 +803,10 @@ def _found(fn: Callable[[], _T]) -> _T:
         raise ApiError(404, "not_found", str(exc)) from exc
 
 
-def _read_bytes(path: Path, offset: int, limit: int = 1 << 20) -> bytes:
-    # The log lies in the step's own work dir (docs/architecture.md §6.4): a symlink or FIFO the
-    # step put in its place is not lowtide's log (root must not read the admin token through it).
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return b""
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            return b""
-        raise
-    try:
-        with os.fdopen(fd, "rb") as fh:
-            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-                return b""
-            if offset >= os.fstat(fh.fileno()).st_size:
-                return b""  # nothing there (yet); seek() fails past the largest offset a file can have
-            fh.seek(offset)
-            return fh.read(limit)
-    except FileNotFoundError:
-        return b""
-
-
-def _read_from(path: Path, offset: int) -> str:
+def _read_from(logs: LogReader, ref: AttemptLogRef, offset: int) -> str:
     chunks = []
     pos = offset
-    while chunk := _read_bytes(path, pos):
+    while chunk := logs.read(ref, pos):
         chunks.append(chunk)
         pos += len(chunk)
     return b"".join(chunks).decode("utf-8", errors="replace")

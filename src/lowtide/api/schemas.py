@@ -92,13 +92,24 @@ class AttemptOut(BaseModel):
     gpus: list[int]
     started_at: float
     ended_at: float | None
-    pid: int | None
+    handle: str | None = Field(
+        default=None, description="what runs it, as its executor names it (a pid locally, a pod in a cluster)"
+    )
+    running_at: float | None = Field(
+        default=None, description="when it began to run; null while PENDING (image pull, scheduling)"
+    )
     exit_code: int | None
     signal: int | None
     notice_at: float | None
     stop_deadline: float | None
     stop_reason: str | None
     killed_at_deadline: bool
+    exit_reason: str | None = Field(
+        default=None,
+        description="why it ended, as its executor saw it: EXITED, SIGNALLED, DEADLINE, OOM_KILLED, "
+        "EVICTED, DELETED, UNSCHEDULABLE, IMAGE_PULL or INFRASTRUCTURE",
+    )
+    exit_detail: str | None = Field(default=None, description="the executor's own words about the end")
     message: str
     record: dict[str, Any]
     lost_gpu_seconds: float | None = Field(
@@ -132,6 +143,13 @@ class JobDetailOut(BaseModel):
     attempts: list[AttemptOut]
     checkpoints: list[CheckpointOut]
     events: list[EventOut]
+
+
+class RetryOut(BaseModel):
+    job: JobOut
+    queued: list[str] = Field(description="steps back in the queue (READY)")
+    waiting: list[str] = Field(description="steps waiting for their upstream steps (PENDING)")
+    kept: list[str] = Field(description="steps that SUCCEEDED: kept, not run again")
 
 
 class JobListOut(BaseModel):
@@ -274,13 +292,16 @@ def attempt_out(a: AttemptRecord) -> AttemptOut:
         gpus=list(a.gpus),
         started_at=a.started_at,
         ended_at=a.ended_at,
-        pid=a.pid,
+        handle=a.handle,
+        running_at=a.running_at,
         exit_code=a.exit_code,
         signal=a.signal,
         notice_at=a.notice_at,
         stop_deadline=a.stop_deadline,
         stop_reason=a.stop_reason,
         killed_at_deadline=a.killed_at_deadline,
+        exit_reason=None if a.exit_reason is None else a.exit_reason.value,
+        exit_detail=a.exit_detail,
         message=a.message,
         record=dict(a.record),
         lost_gpu_seconds=a.lost_gpu_seconds,

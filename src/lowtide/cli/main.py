@@ -35,16 +35,19 @@ from rich.table import Table
 from rich.text import Text
 
 from lowtide import __version__
+from lowtide.cli.argo_cmd import argo_app
 from lowtide.cli.client import ApiFailure, Client
 from lowtide.cli.doctor_cmd import doctor_command
 from lowtide.cli.emulate_cmd import emulate_app
 from lowtide.cli.formats import Format, JsonOpt, OutputOpt, chosen, emit
+from lowtide.cli.k8s_cmd import k8s_app
 from lowtide.cli.loadgen_cmd import loadgen_app
 from lowtide.cli.metrics_cmd import metrics_app
 from lowtide.cli.output import HELP_MARKUP, clean, console, safe
 from lowtide.cli.report_cmd import gpu_time, lost_work_line, report_command
 from lowtide.cli.simulate_cmd import simulate_app
 from lowtide.config import ConfigError, Settings, load_settings
+from lowtide.domain.ids import JOB_ID_RE
 
 #: The variable a shell completion script sets to ask `lowtide` for completions.
 COMPLETE_VAR = "_LOWTIDE_COMPLETE"
@@ -66,6 +69,8 @@ app.add_typer(metrics_app, name="metrics", help="Read vLLM /metrics the way lowt
 app.add_typer(emulate_app, name="emulate", help="Emulated inference servers for machines without GPUs.")
 app.add_typer(loadgen_app, name="loadgen")
 app.add_typer(simulate_app, name="simulate", help="Simulate lending on a virtual clock over real traces.")
+app.add_typer(argo_app, name="argo", help="Cluster mode: the Argo Workflow a job becomes.")
+app.add_typer(k8s_app, name="k8s", help="Cluster mode: the objects of lowtide's Helm chart.")
 app.command("doctor", help="Check a running vLLM replica against what lowtide needs.")(doctor_command)
 
 
@@ -723,12 +728,21 @@ def _detail(d: dict[str, Any]) -> list[Any]:
         )
         for a in d["attempts"]:
             where = f"{a['node']}:{','.join(map(str, a['gpus']))}" if a["gpus"] else a["node"]
-            ran = _dur((a["ended_at"] or time.time()) - a["started_at"])
+            # RAN counts from when it began to run (a pending attempt has not yet: "pending").
+            began = a.get("running_at")
+            ran = (
+                "pending"
+                if began is None and a["state"] == "PENDING"
+                else _dur((a["ended_at"] or time.time()) - (began if began is not None else a["started_at"]))
+            )
             code = (
                 str(a["exit_code"])
                 if a["exit_code"] is not None
                 else (f"sig{a['signal']}" if a["signal"] else "-")
             )
+            reason = a.get("exit_reason")
+            if reason and reason not in ("EXITED", "SIGNALLED"):  # the code alone does not say it
+                code = f"{code} {reason}" if code != "-" else reason
             att.add_row(
                 *_cells(
                     a["step"],
@@ -1120,6 +1134,60 @@ def rerun(
         raise typer.Exit(0 if final["job"]["state"] == "SUCCEEDED" else 1)
 
 
+@app.command()
+def retry(
+    job_ids: Annotated[list[str], typer.Argument(metavar="JOB...", help="Job ids (FAILED or CANCELLED).")],
+    wait: Annotated[bool, typer.Option("--wait", help="Wait until the retried jobs end.")] = False,
+    as_json: JsonOpt = False,
+    output: OutputOpt = None,
+) -> None:
+    """Retry FAILED or CANCELLED jobs in place, from their failed steps (like `argo retry`): the
+    steps that SUCCEEDED are kept and not run again; the failed, cancelled and skipped ones go
+    back to the queue with their whole retry budget. `rerun` makes a new job instead. Exit 2 for
+    a bad id or a job the API would not retry (the others are still retried)."""
+    fmt = chosen(output, as_json)
+    bad = [j for j in job_ids if not JOB_ID_RE.match(j)]
+    if bad:
+        _fail(f"not a job id: {', '.join(bad)} (a job id looks like job-0123456789ab)")
+    client = _client()
+    done: list[dict[str, Any]] = []
+    rows: list[list[object]] = [["JOB", "STATE", "QUEUED_STEPS", "WAITING_STEPS", "KEPT_STEPS", "ERROR"]]
+    failed = 0  # the exit code: 2 if the API refused one (4xx), 1 for anything else
+    for job in job_ids:
+        try:
+            retried = client.json("POST", f"/v1/jobs/{job}/retry")
+        except ApiFailure as exc:
+            failed = max(failed, 2 if exc.client_error else 1)
+            err.print(f"[red]error:[/red] {safe(job)}: {safe(exc.message)}")
+            rows.append([job, "", "", "", "", exc.message])
+            continue
+        queued, waiting, kept = retried["queued"], retried["waiting"], retried["kept"]
+        state_now = retried["job"]["state"]
+        done.append(retried)
+        rows.append([job, state_now, " ".join(queued), " ".join(waiting), " ".join(kept), ""])
+        if fmt is Format.table:
+            out.print(f"{safe(job)}: retried, now {_state_style(state_now)}")
+            for label, names in (
+                ("back to the queue", queued),
+                ("waiting for upstream steps", waiting),
+                ("kept (succeeded, not run again)", kept),
+            ):
+                if names:
+                    out.print(f"  {label}: {safe(', '.join(names))}")
+    ended_ok = True
+    if wait:
+        for i, item in enumerate(done):
+            final = _wait(client, item["job"]["id"], quiet=fmt is not Format.table)
+            done[i] = {**item, "job": final["job"]}
+            ended_ok = ended_ok and final["job"]["state"] == "SUCCEEDED"
+    if fmt is not Format.table:
+        emit(done[0] if len(job_ids) == 1 and len(done) == 1 else done, fmt, rows)
+    if failed:
+        raise typer.Exit(failed)
+    if not ended_ok:
+        raise typer.Exit(1)
+
+
 @app.command("open")
 def open_(
     browser: Annotated[bool, typer.Option("--browser", help="Also open it in a web browser.")] = False,
@@ -1193,16 +1261,20 @@ def services(
             return
         _print_service(d)
         if d["signals"]:
-            sig = Table("REPLICA", "RUNNING", "WAITING", "KV", "GEN TOK/S", "TTFT P90", "STALE", title="load")
+            columns = ("REPLICA", "RUNNING", "WAITING", "KV", "PREEMPT/S", "GEN TOK/S", "TTFT P90", "SLEEP")
+            sig = Table(*columns, "STALE", title="load")
             for g in d["signals"]:
+                preempt = _num(g.get("preemptions_per_s"))  # newer vLLM; "!" when the KV cache is short
                 sig.add_row(
                     *_cells(
                         g["replica"],
                         _num(g["running"]),
                         _num(g["waiting"]),
                         _pct(g["kv_usage"]),
+                        f"{preempt} !" if g.get("kv_pressure") else preempt,
                         _num(g["generation_tokens_per_s"]),
                         _secs(g["ttft_p90_s"]),
+                        g.get("sleep_state") or "?",
                         g["stale_reason"] if g["stale"] else "-",
                     )
                 )

@@ -1,8 +1,16 @@
-"""The executor port: how the control loop starts, stops, watches and re-adopts step processes.
+"""The executor port: how the control loop starts, stops, watches and re-adopts step attempts.
 
-Implemented by `adapters.local_executor` (processes, optionally inside docker/podman) and, later,
-by the Argo executor. The loop owns every decision; an executor only carries out orders and
-reports what happened, with errors classified at its edge (`ExecutorError.temporary`).
+Implemented by `adapters.local_executor` (processes, optionally inside docker/podman), by the
+simulator's `sim.ports.SimExecutor`, and (cluster mode) by an executor of pods. The loop owns every
+decision; an executor only carries out orders and reports what happened, with errors classified at
+its edge (`ExecutorError.temporary`, `ExitReason`).
+
+Nothing here assumes a local process (docs/architecture.md §5): an attempt is named by an opaque
+`AttemptHandle` (a pid for the local executor, a pod's uid elsewhere); its life is pending →
+running → exited, where *pending* means the executor holds it but it does not run yet (an image
+being pulled, a pod waiting for its node): its GPUs are booked, its time is not run time. An exit
+says why it happened (`ExitReason`) as well as its code. The paths in `LaunchRequest` are the
+local executor's: a remote executor gives the step its own work dir and notice file and ignores them.
 Must not: touch the store, decide retries, or read configuration.
 """
 
@@ -12,6 +20,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
+
+from lowtide.domain.exit_reasons import ExitReason
+
+__all__ = ["ExitReason"]  # re-exported: executors name reasons through the port
 
 
 class ExecutorError(Exception):
@@ -79,16 +91,40 @@ class LaunchRequest:
 
 @dataclass(frozen=True, slots=True)
 class ProcessIdentity:
-    """Which OS process runs an attempt: a pid plus its start time, so a re-used pid is never mistaken."""
+    """A local OS process: a pid plus its start time, so a re-used pid is never mistaken. What
+    the local executor keeps in an `AttemptHandle` (`ref` = the pid) and the local service
+    manager and gateway supervisor use for their processes."""
 
     pid: int
     started_at: float
+
+    def handle(self, running_at: float | None) -> AttemptHandle:
+        return AttemptHandle(str(self.pid), self.started_at, running_at)
+
+    @classmethod
+    def from_handle(cls, handle: AttemptHandle) -> ProcessIdentity | None:
+        """The process a handle names; None when it names something else (not a pid)."""
+        if not handle.ref.isdigit():
+            return None
+        return cls(int(handle.ref), handle.started_at)
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptHandle:
+    """What runs an attempt, as its executor names it: `ref` is opaque to everyone else (the local
+    executor's pid; a pod's namespace/name/uid), `started_at` when the executor created it (with
+    `ref`, so a re-used pid or name is never mistaken), `running_at` when it began to run (None:
+    still pending; the executor reports the start later through `PollReport.started`)."""
+
+    ref: str
+    started_at: float
+    running_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class AttemptExit:
     attempt_id: int
-    exit_code: int | None  # None when the process was killed by a signal
+    exit_code: int | None  # None when the process was killed by a signal (or never ran)
     signal: int | None
     ended_at: float
     killed_at_deadline: bool = False  # we sent SIGKILL because the grace deadline passed
@@ -98,6 +134,37 @@ class AttemptExit:
     #: `ended_at` is another process's wall-clock time (a shim's exit record), not control
     #: time: the loop converts it with `Clock.wall()`/`Clock.now()` and clamps it.
     wall_clock: bool = False
+    #: Why it ended; None: the executor could not tell (read as EXITED or SIGNALLED from the code).
+    reason: ExitReason | None = None
+    #: The executor's own words (a pod's status message, "Unschedulable: 0/3 nodes are available"),
+    #: kept with the attempt for the user.
+    detail: str | None = None
+
+    def effective_reason(self) -> ExitReason:
+        """`reason`, or what the code and signal say when the executor gave none."""
+        if self.reason is not None:
+            return self.reason
+        if self.infrastructure is not None:
+            return ExitReason.INFRASTRUCTURE
+        if self.killed_at_deadline:
+            return ExitReason.DEADLINE
+        return ExitReason.SIGNALLED if self.exit_code is None else ExitReason.EXITED
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptStarted:
+    """A pending attempt began to run at `at` (its image pulled, its pod running)."""
+
+    attempt_id: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class PollReport:
+    """What one `poll` saw: attempts that began to run, and exits not yet acknowledged."""
+
+    exits: tuple[AttemptExit, ...] = ()
+    started: tuple[AttemptStarted, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +174,7 @@ class AdoptRequest:
     attempt_id: int
     work_dir: str
     notice_path: str
-    identity: ProcessIdentity | None  # None if the crash came before the pid was recorded
+    handle: AttemptHandle | None  # None if the crash came before the handle was recorded
     stop_deadline: float | None  # set if notice had been given
 
 
@@ -121,23 +188,26 @@ class AdoptOutcome(StrEnum):
 class AdoptResult:
     outcome: AdoptOutcome
     exit: AttemptExit | None = None
-    identity: ProcessIdentity | None = None
+    handle: AttemptHandle | None = None  # found again when the store had none (or it began to run)
 
 
 class Executor(Protocol):
-    def launch(self, request: LaunchRequest, now: float) -> ProcessIdentity:
-        """Start the attempt; return once the process exists. Raises ExecutorError."""
+    def launch(self, request: LaunchRequest, now: float) -> AttemptHandle:
+        """Start the attempt; return once the executor holds it (running, or pending with
+        `running_at` None). Raises ExecutorError."""
         ...
 
     def notify_stop(self, attempt_id: int, deadline: float, now: float) -> None:
-        """Give notice: write the notice file (with the deadline) and SIGTERM the process group.
-        The executor SIGKILLs the group at `deadline` during a later `poll`."""
+        """Give notice: tell the step its deadline (locally: the notice file and SIGTERM to its
+        process group; a pod: a graceful delete). The executor kills it at `deadline` during a
+        later `poll`. A pending attempt is simply withdrawn (it reports an exit without a code)."""
         ...
 
-    def poll(self, now: float) -> list[AttemptExit]:
-        """Report attempts that have exited and whose exit is not yet acknowledged (`ack_exit`):
-        an exit is reported again at every poll until the store has it, so a store outage
-        cannot lose it. Kills attempts past their deadline."""
+    def poll(self, now: float) -> PollReport:
+        """Report pending attempts that began to run since the last poll (once each), and
+        attempts that have exited and whose exit is not yet acknowledged (`ack_exit`): an exit is
+        reported again at every poll until the store has it, so a store outage cannot lose it.
+        Kills attempts past their deadline."""
         ...
 
     def ack_exit(self, attempt_id: int) -> None:

@@ -30,6 +30,7 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any, Protocol
 
 from lowtide.control.inference_ports import (
@@ -79,6 +80,8 @@ MEMORY_KEY = "inference.memory"
 #: otherwise at most this often while its windows move (seconds).
 MEMORY_SAVE_EVERY_S = 5.0
 _SCRAPED = (R.SERVING, R.DRAINING)
+#: Sleeping replicas as (node, GPU indices, residual GiB per GPU), the input of `gpu_shares`.
+_Asleep = tuple[tuple[str, tuple[int, ...], float], ...]
 
 
 class InferenceStore(ReclaimStore, Protocol):
@@ -224,6 +227,8 @@ class InferenceController:
         # The replica values of the last read, by the identity of the record they came from: the
         # in-memory store hands back the same record until it changes.
         self._views: dict[int, tuple[ReplicaRecord, ReplicaView]] = {}
+        # The sleeping replicas of the last tick and their `gpu_shares` (see `_gpu_shares`).
+        self._shares: tuple[_Asleep, Mapping[GpuRef, GpuShare]] | None = None
 
     @property
     def scale_states(self) -> Mapping[str, ScaleState]:
@@ -285,12 +290,21 @@ class InferenceController:
             reclaim=plan.reclaim.plan,
             changed=plan.follow_up or follow_up,
             next_due=plan.next_due,
-            gpu_shares=gpu_shares(self.nodes, self._asleep(plan.replicas)),
+            gpu_shares=self._gpu_shares(plan.replicas),
         )
         self.last = result
         self._save_memory(now)
         self._save_profiles(now)
         return result
+
+    def _gpu_shares(self, replicas: Sequence[ReplicaView]) -> Mapping[GpuRef, GpuShare]:
+        """`policy.lending.gpu_shares` of the sleeping replicas: a pure function of them (the nodes
+        never change), so it is rebuilt only when they do, not at every tick (read-only view)."""
+        asleep = tuple(self._asleep(replicas))
+        last = self._shares
+        if last is None or last[0] != asleep:
+            last = self._shares = (asleep, MappingProxyType(gpu_shares(self.nodes, asleep)))
+        return last[1]
 
     def _asleep(self, replicas: Sequence[ReplicaView]) -> list[tuple[str, tuple[int, ...], float]]:
         """Sleeping replicas as (node, GPUs, residual GiB per GPU) for `gpu_shares`."""
@@ -382,9 +396,7 @@ class InferenceController:
 
     def _collect(self, name: str, mine: list[ReplicaView], now: float) -> ServiceSignals:
         urls = {
-            r.id: url
-            for r in mine
-            if r.state in _SCRAPED and (url := self.manager.url(r.id) or _url(r)) is not None
+            r.id: url for r in mine if r.state in _SCRAPED and (url := self.manager.url(r.id)) is not None
         }
         source = self.sources.get(name)
         if source is None or not urls:
@@ -515,7 +527,7 @@ class InferenceController:
             serving = {
                 r.id: url
                 for r in replicas
-                if r.service == name and r.state == R.SERVING and (url := self.manager.url(r.id) or _url(r))
+                if r.service == name and r.state == R.SERVING and (url := self.manager.url(r.id))
             }
             try:
                 self.gateway.set_backends(name, serving)
@@ -615,7 +627,3 @@ def _view(rec: ReplicaRecord) -> ReplicaView:
         failures=rec.failures,
         port=rec.port,
     )
-
-
-def _url(r: ReplicaView) -> str:
-    return f"http://127.0.0.1:{r.port}"

@@ -72,7 +72,9 @@ class ServiceManager(Protocol):
         ...
 
     def url(self, replica_id: str) -> str | None:
-        """The replica's base URL while its process exists."""
+        """The replica's base URL while it exists, as the manager reaches it (a loopback port for
+        the local manager, a pod address in a cluster); None when it has none. The control code
+        never builds an address itself (docs/architecture.md §5)."""
         ...
 
     def adopt(self, replica_id: str, launch: ReplicaLaunch, now: float) -> bool:

@@ -44,11 +44,13 @@ from lowtide.control.executor_port import (
     AdoptOutcome,
     AdoptRequest,
     AttemptExit,
+    AttemptHandle,
     Executor,
     ExecutorError,
+    ExitReason,
     JobUsers,
     LaunchRequest,
-    ProcessIdentity,
+    PollReport,
     RunAs,
 )
 from lowtide.control.inference import InferenceController, InferenceTick
@@ -71,7 +73,7 @@ from lowtide.domain.layout import ArtifactLayout, is_remote, join_uri
 from lowtide.domain.states import AttemptState, StepState
 from lowtide.policy import walltime
 from lowtide.policy.checkpoints import RESUME_CRASH_WINDOW_S
-from lowtide.policy.dag import advance
+from lowtide.policy.dag import JobView, advance
 from lowtide.policy.lending import GpuShare, step_gpu_share
 from lowtide.policy.outcomes import (
     ExitDecision,
@@ -196,6 +198,7 @@ class ControlLoop:
         self._checkpoint_polled: dict[int, float] = {}
         self._bad_latest: dict[int, str] = {}
         self._swept_at = -math.inf
+        self._settled_views: dict[str, JobView] = {}  # see `_advance`
         # Walltime budgets of running attempts and the timeouts of their jobs' specs: caches of
         # what the store keeps (rebuilt from it after a restart), pruned to the active attempts.
         self._budgets: dict[int, walltime.WalltimeBudget] = {}
@@ -208,6 +211,8 @@ class ControlLoop:
         # Durable against store outages (§4.4): what could not be recorded yet, retried each tick.
         self._unrecorded_launches: dict[int, _LaunchFailure] = {}
         self._unrecorded_lost: dict[int, float] = {}
+        #: Pending attempts the executor saw begin to run, not yet recorded (a store outage).
+        self._unrecorded_started: dict[int, float] = {}
         self._exit_failing: set[int] = set()  # exits whose recording failed (logged once)
         self._store_down_ticks = 0
         # Infrastructure launch failures: per step in a row (backoff), alerts and totals by kind.
@@ -229,9 +234,9 @@ class ControlLoop:
         lost: list[int] = []
         for att in self.store.active_attempts():
             try:
-                identity = (
-                    ProcessIdentity(att.pid, att.pid_started_at)
-                    if att.pid is not None and att.pid_started_at is not None
+                handle = (
+                    AttemptHandle(att.handle, att.handle_started_at, att.running_at)
+                    if att.handle is not None and att.handle_started_at is not None
                     else None
                 )
                 result = self.executor.adopt(
@@ -239,15 +244,15 @@ class ControlLoop:
                         attempt_id=att.id,
                         work_dir=att.work_dir,
                         notice_path=self._notice_path(att.job_id, att.step_name, att.number),
-                        identity=identity,
+                        handle=handle,
                         stop_deadline=att.stop_deadline,
                     ),
                     now,
                 )
                 if result.outcome == AdoptOutcome.ADOPTED:
                     adopted.append(att.id)
-                    if identity is None and result.identity is not None:
-                        self.store.set_attempt_process(att.id, result.identity)
+                    if result.handle is not None and result.handle != handle:
+                        self.store.record_launch(att.id, result.handle)
                 elif result.outcome == AdoptOutcome.EXITED and result.exit is not None:
                     exited.append(att.id)
                     # Unrecorded (a store outage): the executor re-reports it at every poll.
@@ -286,8 +291,15 @@ class ControlLoop:
         for attempt_id, lost_at in list(self._unrecorded_lost.items()):
             if not report.store_unavailable:
                 self._record_lost(attempt_id, lost_at, report)
-        exits: list[AttemptExit] = self._guard(report, "executor poll", lambda: self.executor.poll(now), [])
-        for ex in exits:  # an exit not recorded now is reported again by the next poll
+        polled: PollReport = self._guard(
+            report, "executor poll", lambda: self.executor.poll(now), PollReport()
+        )
+        for started in polled.started:  # kept until recorded: the executor reports a start once
+            self._unrecorded_started[started.attempt_id] = started.at
+        for attempt_id, running_at in list(self._unrecorded_started.items()):
+            if not report.store_unavailable:
+                self._record_running(attempt_id, running_at, report)
+        for ex in polled.exits:  # an exit not recorded now is reported again by the next poll
             if not report.store_unavailable and self._record_exit(ex, now, report):
                 report.exits += 1
 
@@ -453,6 +465,10 @@ class ControlLoop:
 
     def _on_exit(self, ex: AttemptExit, now: float) -> None:
         ctx = self.store.exit_context(ex.attempt_id)
+        if ctx.attempt_state == AttemptState.PENDING and (ex.exit_code is not None or ex.signal is not None):
+            # It ran (it has an exit status) but its start was never recorded: from its launch.
+            self.store.mark_running(ex.attempt_id, ctx.started_at if ctx.started_at is not None else now)
+            ctx = self.store.exit_context(ex.attempt_id)
         ex = replace(ex, ended_at=self._control_time(ex, ctx, now), wall_clock=False)
         self._read_latest(ctx, ex.ended_at)
         timed_out = self._walltime_verdict(ctx, ex.ended_at)
@@ -471,15 +487,30 @@ class ControlLoop:
                 max_preemptions=ctx.max_preemptions,
                 infrastructure=ex.infrastructure,
                 timed_out=timed_out,
+                reason=ex.reason,
+                detail=ex.detail,
             )
             decision = self._resume_crash(ctx, ex, timed_out is not None) or decision
-            if self._finish(ctx, decision, ex):
+            if self._finish(ctx, decision, ex, ex.effective_reason()):
                 break
             ctx = self.store.exit_context(ex.attempt_id)  # someone moved the step: decide again
         self._dirty_jobs.add(ctx.job_id)
         self._checkpoint_polled.pop(ex.attempt_id, None)
         self._bad_latest.pop(ex.attempt_id, None)
         self._budgets.pop(ex.attempt_id, None)
+
+    def _record_running(self, attempt_id: int, at: float, report: TickReport) -> None:
+        """Record that a pending attempt began to run (retried every tick until the store has it)."""
+        try:
+            self.store.mark_running(attempt_id, at)
+        except StoreUnavailable:
+            report.store_failed()
+            return
+        except Exception:
+            report.errors += 1
+            log.exception("recording the start of attempt %s failed; retrying every tick", attempt_id)
+            return
+        self._unrecorded_started.pop(attempt_id, None)
 
     def _record_lost(self, attempt_id: int, now: float, report: TickReport) -> None:
         """Record an attempt lost while the control plane was down (retried every tick until
@@ -507,9 +538,11 @@ class ControlLoop:
         decision = classify_lost(
             step_state=ctx.step_state, retries_used=ctx.retries_used, timed_out=timed_out
         )
-        self._finish(ctx, decision, AttemptExit(attempt_id, None, None, now))
+        self._finish(ctx, decision, AttemptExit(attempt_id, None, None, now), None)
 
-    def _finish(self, ctx: ExitContext, decision: ExitDecision, ex: AttemptExit) -> bool:
+    def _finish(
+        self, ctx: ExitContext, decision: ExitDecision, ex: AttemptExit, reason: ExitReason | None
+    ) -> bool:
         try:
             self.store.finish_attempt(
                 ctx,
@@ -519,6 +552,8 @@ class ControlLoop:
                 signal=ex.signal,
                 killed_at_deadline=ex.killed_at_deadline,
                 half_life_s=self.settings.scheduler.fair_share.half_life_s,
+                reason=reason,
+                detail=ex.detail,
             )
         except StaleState:
             return False
@@ -543,21 +578,29 @@ class ControlLoop:
     ) -> float | None:
         """Give notice to the running attempts past their step's walltime; return the next
         deadline (for `next_due`). Deadlines derive from stored start times and specs only."""
-        budgets: list[walltime.WalltimeBudget] = []
+        budgets: list[walltime.WalltimeBudget] = []  # those with a limit: the others have no deadline
+        known = self._budgets
         for att in active:
             if att.state != AttemptState.RUNNING or att.id in noticed:
                 continue
             try:
-                budgets.append(self._budget(att))
+                budget = known.get(att.id) or self._budget(att)
             except StoreUnavailable:
                 report.store_failed()
+                continue
             except Exception:
                 report.errors += 1
                 log.exception("reading the walltime of attempt %s failed", att.id)
-        live = {att.id for att in active}
-        steps = {(att.job_id, att.step_name) for att in active}
-        self._budgets = {k: v for k, v in self._budgets.items() if k in live}
-        self._job_timeouts = {k: v for k, v in self._job_timeouts.items() if k in steps}
+                continue
+            if budget.limit_s is not None:
+                budgets.append(budget)
+        # Pruned to the active attempts once they may hold more (an entry of an attempt that
+        # ended is never read again: attempt ids are not reused, a step's spec never changes).
+        if len(self._budgets) > len(active) or len(self._job_timeouts) > len(active):
+            live = {att.id for att in active}
+            steps = {(att.job_id, att.step_name) for att in active}
+            self._budgets = {k: v for k, v in self._budgets.items() if k in live}
+            self._job_timeouts = {k: v for k, v in self._job_timeouts.items() if k in steps}
         for budget in walltime.overdue(budgets, now):
             if report.store_unavailable:
                 break  # still overdue next tick
@@ -712,9 +755,18 @@ class ControlLoop:
             self._advance(dirty, now)
 
     def _advance(self, job_ids: Iterable[str] | None, now: float) -> None:
+        # `advance` is pure over an immutable view: a view it found nothing to change in (kept
+        # by job) is not advanced again while the store hands back that same view (the in-memory
+        # store keeps a job's view until the job or a step moves). Rebuilt at each full sweep.
+        settled = self._settled_views
+        if job_ids is None:
+            settled = self._settled_views = {}
         for view in self.store.job_views(job_ids):
+            if settled.get(view.job_id) is view:
+                continue
             changes = advance(view)
             if changes.empty:
+                settled[view.job_id] = view
                 continue
             try:
                 self.store.apply_dag(changes, now)
@@ -742,7 +794,7 @@ class ControlLoop:
         try:
             request = self._launch_request(launch, now)
             self._check_lease()
-            identity = self.executor.launch(request, now)
+            handle = self.executor.launch(request, now)
         except ExecutorError as exc:
             self._launch_failed(launch, str(exc), exc.temporary, now, exc.infrastructure)
             return False
@@ -756,7 +808,7 @@ class ControlLoop:
             self._launch_failed(launch, f"{type(exc).__name__}: {exc}", False, now)
             return False
         self._launch_succeeded(launch)
-        self.store.set_attempt_process(launch.attempt_id, identity)
+        self.store.record_launch(launch.attempt_id, handle)
         try:  # its walltime deadline joins this tick's `next_due` (the scan sees it from next tick)
             budget = self._make_budget(
                 launch.attempt_id,
@@ -892,7 +944,9 @@ class ControlLoop:
                 infrastructure=failure.infrastructure,
                 infrastructure_failures=self._infra_streak.get(key, 0),
             )
-            finished = self._finish(ctx, decision, AttemptExit(launch.attempt_id, None, None, failure.at))
+            finished = self._finish(
+                ctx, decision, AttemptExit(launch.attempt_id, None, None, failure.at), None
+            )
             if finished and failure.infrastructure is not None:
                 self._infra_streak[key] = self._infra_streak.get(key, 0) + 1
                 self.store.add_event(

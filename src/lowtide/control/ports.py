@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from lowtide.control.executor_port import ProcessIdentity
+from lowtide.control.executor_port import AttemptHandle
 from lowtide.control.records import (
     AttemptLaunch,
     AttemptRecord,
@@ -19,6 +19,7 @@ from lowtide.control.records import (
     NoticeDue,
     TokenRecord,
 )
+from lowtide.domain.exit_reasons import ExitReason
 from lowtide.domain.gpus import Node
 from lowtide.domain.layout import ArtifactLayout
 from lowtide.policy.dag import DagChanges, JobView
@@ -43,7 +44,9 @@ class StorePort(Protocol):
         reason: str,
     ) -> AttemptLaunch: ...
 
-    def set_attempt_process(self, attempt_id: int, identity: ProcessIdentity) -> None: ...
+    def record_launch(self, attempt_id: int, handle: AttemptHandle) -> None: ...
+
+    def mark_running(self, attempt_id: int, at: float) -> None: ...
 
     def active_attempts(self) -> list[AttemptRecord]: ...
 
@@ -65,6 +68,8 @@ class StorePort(Protocol):
         signal: int | None,
         killed_at_deadline: bool,
         half_life_s: float,
+        reason: ExitReason | None = None,
+        detail: str | None = None,
     ) -> None: ...
 
     def notices_due(self) -> list[NoticeDue]: ...

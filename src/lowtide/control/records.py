@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lowtide.domain.exit_reasons import ExitReason
 from lowtide.domain.spec import JobSpec, ResolvedStep
 from lowtide.domain.states import AttemptState, JobState, ReclaimState, ReplicaState, StepState
 
@@ -59,6 +60,17 @@ class IdempotencyConflict(StoreError):
         self.job_id = job_id
 
 
+class NotRetriable(StoreError):
+    """A retry of a job that is not FAILED or CANCELLED, or has a step still holding GPUs, or
+    nothing to retry (`policy.retry`); `state` is the job's state, `reason` says why."""
+
+    def __init__(self, job_id: str, state: JobState, reason: str) -> None:
+        super().__init__(f"job {job_id} is {state.value}: {reason}")
+        self.job_id = job_id
+        self.state = state
+        self.reason = reason
+
+
 @dataclass(frozen=True, slots=True)
 class NewJob:
     id: str
@@ -96,6 +108,18 @@ class JobRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class RetriedJob:
+    """A job as a retry left it (`policy.retry`): the steps back in the queue (READY), those
+    waiting for upstream steps (PENDING), and the SUCCEEDED ones kept, as the retry decided them
+    (the loop may start the queued ones a moment later)."""
+
+    job: JobRecord
+    queued: tuple[str, ...]
+    waiting: tuple[str, ...]
+    kept: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class StepRecord:
     id: int
     job_id: str
@@ -126,8 +150,9 @@ class AttemptRecord:
     gpus: tuple[int, ...]
     started_at: float
     ended_at: float | None
-    pid: int | None
-    pid_started_at: float | None
+    handle: str | None  # the executor's name for what runs it (opaque)
+    handle_started_at: float | None
+    running_at: float | None  # None while PENDING (or if it never ran)
     exit_code: int | None
     signal: int | None
     notice_at: float | None
@@ -137,6 +162,8 @@ class AttemptRecord:
     work_dir: str
     record: Mapping[str, Any]
     message: str
+    exit_reason: ExitReason | None = None
+    exit_detail: str | None = None
     lost_gpu_seconds: float | None = None
     preempted: bool = False  # ended by a preemption (notice for GPUs, interrupted or lost)
 

@@ -11,7 +11,7 @@ Must not: read the clock, touch the database, or know about executors.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Generic, TypeVar
 
@@ -43,11 +43,12 @@ class StepState(StrEnum):
 
 
 class AttemptState(StrEnum):
+    PENDING = "PENDING"  # the executor holds it, it does not run yet (image pull, scheduling)
     RUNNING = "RUNNING"
     STOPPING = "STOPPING"  # notice given, waiting for exit or deadline
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
-    INTERRUPTED = "INTERRUPTED"  # exited non-zero or was killed after notice
+    INTERRUPTED = "INTERRUPTED"  # exited non-zero or was killed after notice, or evicted
     LOST = "LOST"  # the process vanished while the control plane was down
 
 
@@ -56,13 +57,21 @@ _S = TypeVar("_S", bound=StrEnum)
 
 @dataclass(frozen=True)
 class Lifecycle(Generic[_S]):
-    """A named transition table over one enum."""
+    """A named transition table over one enum.
+
+    `reopen` holds the moves out of a finished state that only a person's retry makes (a FAILED
+    job back to RUNNING, its FAILED step back to READY): legal, but they do not make the state
+    unfinished, so `is_terminal` (what the DAG, listings and the loop call finished) ignores them.
+    """
 
     name: str
     transitions: Mapping[_S, frozenset[_S]]
+    reopen: Mapping[_S, frozenset[_S]] = field(default_factory=dict)
 
     def allowed(self, current: _S, target: _S) -> bool:
-        return target in self.transitions.get(current, frozenset())
+        return target in self.transitions.get(current, frozenset()) or target in self.reopen.get(
+            current, frozenset()
+        )
 
     def check(self, current: _S, target: _S) -> None:
         if not self.allowed(current, target):
@@ -85,6 +94,11 @@ JOB_LIFECYCLE: Lifecycle[JobState] = Lifecycle(
         J.FAILED: frozenset(),
         J.CANCELLED: frozenset(),
     },
+    # A retry (`policy.retry`): back to work in place, RUNNING if it had started, else QUEUED.
+    reopen={
+        J.FAILED: frozenset({J.RUNNING, J.QUEUED}),
+        J.CANCELLED: frozenset({J.RUNNING, J.QUEUED}),
+    },
 )
 
 STEP_LIFECYCLE: Lifecycle[StepState] = Lifecycle(
@@ -103,12 +117,22 @@ STEP_LIFECYCLE: Lifecycle[StepState] = Lifecycle(
         S.CANCELLED: frozenset(),
         S.SKIPPED: frozenset(),
     },
+    # A retry of its job (`policy.retry`): READY when every upstream step SUCCEEDED, else PENDING.
+    reopen={
+        S.FAILED: frozenset({S.READY}),
+        S.CANCELLED: frozenset({S.READY, S.PENDING}),
+        S.SKIPPED: frozenset({S.READY, S.PENDING}),
+    },
 )
 
 ATTEMPT_LIFECYCLE: Lifecycle[AttemptState] = Lifecycle(
     "attempt",
     {
-        A.RUNNING: frozenset({A.STOPPING, A.SUCCEEDED, A.FAILED, A.LOST}),
+        # PENDING -> SUCCEEDED: it ran, but its start was never recorded (the store failed
+        # right after the launch); its exit code is the executor's proof that it ran.
+        A.PENDING: frozenset({A.RUNNING, A.STOPPING, A.SUCCEEDED, A.FAILED, A.INTERRUPTED, A.LOST}),
+        # RUNNING -> INTERRUPTED: ended by the platform without notice (evicted, its pod deleted).
+        A.RUNNING: frozenset({A.STOPPING, A.SUCCEEDED, A.FAILED, A.INTERRUPTED, A.LOST}),
         A.STOPPING: frozenset({A.INTERRUPTED, A.SUCCEEDED, A.FAILED, A.LOST}),
         A.SUCCEEDED: frozenset(),
         A.FAILED: frozenset(),

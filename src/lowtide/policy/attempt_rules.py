@@ -43,8 +43,10 @@ from lowtide.domain.states import TERMINAL_JOB_STATES, AttemptState, JobState, S
 from lowtide.policy.outcomes import ExitDecision
 from lowtide.policy.snapshot import QueuedStep, RunningStep
 
-#: Attempts that hold their GPUs: started and not yet ended.
-ACTIVE_ATTEMPT_STATES = frozenset({AttemptState.RUNNING, AttemptState.STOPPING})
+#: Attempts that hold their GPUs: launched (pending or running) and not yet ended.
+ACTIVE_ATTEMPT_STATES = frozenset({AttemptState.PENDING, AttemptState.RUNNING, AttemptState.STOPPING})
+#: Attempts that may be given notice or asked to give their GPUs back (not yet noticed).
+UNNOTICED_ATTEMPT_STATES = frozenset({AttemptState.PENDING, AttemptState.RUNNING})
 #: Step states in which a RUNNING attempt is owed notice (cancelled or preempted).
 NOTICE_STEP_STATES = frozenset({StepState.CANCELLING, StepState.PREEMPTING})
 
@@ -57,6 +59,14 @@ def counted_checkpoint(last_checkpoint_at: float | None, started_at: float) -> f
     if last_checkpoint_at is not None and last_checkpoint_at >= started_at:
         return last_checkpoint_at
     return None
+
+
+def work_started_at(started_at: float, running_at: float | None, ended_at: float) -> float:
+    """When an attempt's work began: when it began to run, not when it was launched (an image
+    pull or a pod waiting for its node does no work); one that never ran did none (its end)."""
+    if running_at is None:
+        return ended_at
+    return max(started_at, running_at)
 
 
 def lost_work(gpus: int, started_at: float, last_checkpoint_at: float | None, at: float) -> float:
@@ -106,7 +116,22 @@ def is_stopping(attempt_state: AttemptState, step_state: StepState) -> bool:
 
 
 def notice_due(attempt_state: AttemptState, step_state: StepState) -> bool:
-    return attempt_state == AttemptState.RUNNING and step_state in NOTICE_STEP_STATES
+    return attempt_state in UNNOTICED_ATTEMPT_STATES and step_state in NOTICE_STEP_STATES
+
+
+def running_transition(
+    state: AttemptState, running_at: float | None, started_at: float, at: float
+) -> tuple[AttemptState, float] | None:
+    """What "it began to run at `at`" does to an attempt: PENDING -> RUNNING; an attempt noticed
+    while pending (STOPPING) keeps its state but learns when it ran; anything else: nothing.
+    The time is clamped to the launch (a start cannot come before it)."""
+    if running_at is not None:
+        return None
+    if state == AttemptState.PENDING:
+        return AttemptState.RUNNING, max(at, started_at)
+    if state == AttemptState.STOPPING:
+        return AttemptState.STOPPING, max(at, started_at)
+    return None
 
 
 def notice_grace(stop_grace: float | None, job_grace: float) -> float:

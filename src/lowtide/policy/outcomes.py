@@ -19,6 +19,10 @@ lowtide's storage, permissions, disk, runtime engine, secret files or store; doc
 §4.4) is requeued the same way, with a backoff that grows with the step's consecutive
 infrastructure failures (capped by `RetryPolicy.backoff_max_s`); a step-caused launch failure
 (its command cannot run) uses a retry like a non-zero exit.
+What the executor says about the end (`reason`, domain.exit_reasons) refines this: EVICTED or
+DELETED without notice is the platform's doing (requeued without a retry, like a lost process);
+UNSCHEDULABLE is the machinery's (requeued after a backoff, like an infrastructure failure);
+OOM_KILLED and IMAGE_PULL are the step's own failures (a retry each), with words that say so.
 Neighbours: the loop classifies each exit with `classify_exit` and hands the decision to the store.
 Must not: read the clock (`now` is passed in) or touch the store.
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lowtide.domain.exit_reasons import ExitReason
 from lowtide.domain.states import AttemptState, StepState
 
 
@@ -51,14 +56,36 @@ class ExitDecision:
     preempted: bool = False
 
 
-def describe_exit(exit_code: int | None, signal: int | None, killed_at_deadline: bool) -> str:
+def describe_exit(
+    exit_code: int | None,
+    signal: int | None,
+    killed_at_deadline: bool,
+    reason: ExitReason | None = None,
+    detail: str | None = None,
+) -> str:
     if killed_at_deadline:
         return "killed at the grace deadline"
+    worded = _REASON_WORDS.get(reason) if reason is not None else None
+    if worded is not None:
+        code = f", exit code {exit_code}" if exit_code is not None else ""
+        return f"{worded}{code}" + (f": {detail}" if detail else "")
     if exit_code is not None:
         return f"exit code {exit_code}"
     if signal is not None:
         return f"killed by signal {signal}"
     return "exit status unknown"
+
+
+_REASON_WORDS = {
+    ExitReason.OOM_KILLED: "killed for using too much memory (OOMKilled)",
+    ExitReason.EVICTED: "evicted by its node",
+    ExitReason.DELETED: "its pod was deleted outside lowtide",
+    ExitReason.UNSCHEDULABLE: "could not be scheduled",
+    ExitReason.IMAGE_PULL: "its image could not be pulled",
+}
+
+#: Ends that are the platform's doing, not the step's: requeued without using a retry.
+_PLATFORM_INTERRUPTIONS = frozenset({ExitReason.EVICTED, ExitReason.DELETED})
 
 
 def classify_exit(
@@ -76,8 +103,12 @@ def classify_exit(
     max_preemptions: int | None = None,
     infrastructure: str | None = None,
     timed_out: str | None = None,
+    reason: ExitReason | None = None,
+    detail: str | None = None,
 ) -> ExitDecision:
-    how = describe_exit(exit_code, signal, killed_at_deadline)
+    how = describe_exit(exit_code, signal, killed_at_deadline, reason, detail)
+    if reason == ExitReason.UNSCHEDULABLE and infrastructure is None:
+        infrastructure = "scheduling: " + (detail or "no node could take it")
     if infrastructure is not None and step_state == StepState.RUNNING and not killed_at_deadline:
         return ExitDecision(
             AttemptState.FAILED,
@@ -85,6 +116,15 @@ def classify_exit(
             retries_used,
             now + retry.delay(1),
             f"{infrastructure}; not the step's failure, will try again",
+            requeued=True,
+        )
+    if reason in _PLATFORM_INTERRUPTIONS and step_state == StepState.RUNNING and timed_out is None:
+        return ExitDecision(
+            AttemptState.INTERRUPTED,
+            StepState.READY,
+            retries_used,
+            0.0,
+            f"{how}; not the step's failure, requeued",
             requeued=True,
         )
     ok = exit_code == 0 and not killed_at_deadline

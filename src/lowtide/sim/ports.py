@@ -26,8 +26,9 @@ from lowtide.control.executor_port import (
     AdoptRequest,
     AdoptResult,
     AttemptExit,
+    AttemptHandle,
     LaunchRequest,
-    ProcessIdentity,
+    PollReport,
 )
 from lowtide.control.inference_ports import ReplicaEvent, ReplicaLaunch
 from lowtide.control.ports import PathStat
@@ -95,6 +96,12 @@ class _Attempt:
             return math.inf
         return self.started_at + self.behaviour.restart_s + (nxt - self.saved_s)
 
+    def first_report_at(self) -> float:
+        """The earliest time at which `SimExecutor.checkpoints_due` can have something new to report
+        for this attempt (inf: never, until it is given notice)."""
+        notice = self.notice_ckpt[0] if self.notice_ckpt is not None else math.inf
+        return min(notice, self.next_checkpoint_at())
+
     def periodic_checkpoint(self, t: float) -> float | None:
         """Progress of the last periodic checkpoint at or before `t` in this attempt (None: none)."""
         every = self.behaviour.checkpoint_every_s
@@ -114,14 +121,25 @@ class SimExecutor:
     launches: int = 0
     #: Exits reported but not acknowledged yet: reported again at every poll (the port's rule).
     unacked: dict[int, AttemptExit] = field(default_factory=dict)
+    #: GPUs the running attempts hold (kept with `running`, so that nobody sums it per tick).
+    held_gpus: int = 0
+    # Nothing can be reported by `checkpoints_due` before this time: at most the earliest
+    # `first_report_at` of the running attempts (kept low by `launch` and `notify_stop`).
+    _quiet_until: float = field(default=-math.inf, repr=False)
+    # The earliest `exit_at` of the running attempts (None: recompute; see `next_event`).
+    _next_exit: float | None = field(default=None, repr=False)
 
-    def launch(self, request: LaunchRequest, now: float) -> ProcessIdentity:
+    def launch(self, request: LaunchRequest, now: float) -> AttemptHandle:
         behaviour = self.behaviours[request.job_id]
         saved = min(behaviour.work_s, progress_of(request.env.get("LOWTIDE_RESUME_FROM")))
         exit_at = now + behaviour.restart_s + (behaviour.work_s - saved)
-        self.running[request.attempt_id] = _Attempt(request, behaviour, now, saved, exit_at)
+        att = _Attempt(request, behaviour, now, saved, exit_at)
+        self.running[request.attempt_id] = att
+        self.held_gpus += len(request.gpus)
+        self._quiet_until = min(self._quiet_until, att.first_report_at())
+        self._next_exit = None
         self.launches += 1
-        return ProcessIdentity(pid=1_000_000 + request.attempt_id, started_at=now)
+        return AttemptHandle(f"sim/{request.attempt_id}", now, now)  # loading counts as running
 
     def notify_stop(self, attempt_id: int, deadline: float, now: float) -> None:
         att = self.running.get(attempt_id)
@@ -133,16 +151,22 @@ class SimExecutor:
         if write_done <= deadline:
             att.notice_ckpt = (write_done, att.progress(now))
             att.exit_at, att.exit_code = write_done, INTERRUPTED_EXIT
+            self._quiet_until = min(self._quiet_until, write_done)
         else:
             att.exit_at, att.exit_code, att.signal, att.killed = deadline, None, _SIGKILL, True
+        self._next_exit = None
 
     def checkpoints_due(self, now: float) -> list[tuple[int, str, float]]:
         """(attempt id, label, when) of each attempt's newest checkpoint not yet reported, up to
         `now`: the simulator reports them the way a step calls the API."""
         out: list[tuple[int, str, float]] = []
+        if now < self._quiet_until:
+            return out  # the common case: no attempt has anything new yet
+        quiet = math.inf
         for aid, att in self.running.items():
             if att.notice_ckpt is None and att.next_checkpoint_at() > now:
-                continue  # the common case: nothing new since the last report
+                quiet = min(quiet, att.next_checkpoint_at())
+                continue  # nothing new since the last report
             when_progress: tuple[float, float] | None = None
             if att.notice_ckpt is not None and att.notice_ckpt[0] <= now:
                 when_progress = att.notice_ckpt
@@ -155,22 +179,28 @@ class SimExecutor:
             if when_progress is not None and when_progress[1] > att.recorded_s:
                 att.recorded_s = when_progress[1]
                 out.append((aid, checkpoint_label(when_progress[1]), when_progress[0]))
+            quiet = min(quiet, att.first_report_at())
+        self._quiet_until = quiet
         return out
 
-    def poll(self, now: float) -> list[AttemptExit]:
+    def poll(self, now: float) -> PollReport:
         for aid, att in list(self.running.items()):
             if att.exit_at <= now:
                 self.unacked[aid] = AttemptExit(
                     aid, att.exit_code, att.signal, att.exit_at, killed_at_deadline=att.killed
                 )
                 del self.running[aid]
-        return list(self.unacked.values())
+                self.held_gpus -= len(att.request.gpus)
+                self._next_exit = None
+        return PollReport(exits=tuple(self.unacked.values()))
 
     def ack_exit(self, attempt_id: int) -> None:
         self.unacked.pop(attempt_id, None)
 
     def next_event(self) -> float | None:
-        return min((a.exit_at for a in self.running.values()), default=None)
+        if self._next_exit is None and self.running:
+            self._next_exit = min(a.exit_at for a in self.running.values())
+        return self._next_exit
 
     def adopt(self, request: AdoptRequest, now: float) -> AdoptResult:
         if request.attempt_id in self.running:

@@ -1,9 +1,13 @@
 """Scripted ports: the caller decides when things happen (tests and hand-written scenarios).
 
 Role: in-memory implementations of the ports of docs/architecture.md §5 that do nothing on their
-own. `FakeExecutor` (`control.executor_port.Executor`) launches instantly; an attempt ends when
-the caller says so (`finish(attempt_id, exit_code)`, reported at the next `poll`), and a stop past
-its deadline is a kill, as with the real executor. `FakeServiceManager` (`ServiceManager`): a
+own. `FakeExecutor` (`control.executor_port.Executor`) launches instantly, running at once, or
+(`pending_launches`) pending until the caller says it runs (`start(attempt_id)`, like a pod whose
+image is pulled); an attempt ends when the caller says so (`finish(attempt_id, exit_code)`, or
+`end(...)` with an `ExitReason` and words, as a cluster executor reports an OOMKill or an
+eviction), reported at the next `poll`, and a stop past its deadline is a kill, as with the real
+executor; a pending attempt given notice is withdrawn at once (an exit without a code).
+`FakeServiceManager` (`ServiceManager`): a
 started or woken replica is healthy at the next poll unless the caller marks it `broken`; parking
 completes at the next poll. `FakeMetrics` (`MetricsSource`) reports the `concurrency` the caller
 set on every replica, or stale signals. `MemoryArtifacts` (`ArtifactPort`) reads `files[uri]`.
@@ -24,8 +28,11 @@ from lowtide.control.executor_port import (
     AdoptRequest,
     AdoptResult,
     AttemptExit,
+    AttemptHandle,
+    AttemptStarted,
+    ExitReason,
     LaunchRequest,
-    ProcessIdentity,
+    PollReport,
 )
 from lowtide.control.inference_ports import ReplicaEvent, ReplicaLaunch
 from lowtide.control.ports import PathStat
@@ -42,6 +49,7 @@ class FakeProcess:
     started_at: float
     deadline: float | None = None
     noticed_at: float | None = None
+    running: bool = True
 
 
 @dataclass
@@ -54,11 +62,40 @@ class FakeExecutor:
     notices: list[tuple[int, float]] = field(default_factory=list)
     #: Exits reported but not acknowledged yet: reported again at every poll (the port's rule).
     unacked: dict[int, AttemptExit] = field(default_factory=dict)
+    #: Launch attempts PENDING (not running) until `start` says they run.
+    pending_launches: bool = False
+    starts: list[AttemptStarted] = field(default_factory=list)
+    scripted_ends: dict[int, AttemptExit] = field(default_factory=dict)
 
-    def launch(self, request: LaunchRequest, now: float) -> ProcessIdentity:
+    def start(self, attempt_id: int, at: float) -> None:
+        """A pending attempt begins to run at `at`; the next poll reports it."""
+        proc = self.running[attempt_id]
+        if not proc.running:
+            proc.running = True
+            self.starts.append(AttemptStarted(attempt_id, at))
+
+    def end(
+        self,
+        attempt_id: int,
+        at: float,
+        reason: ExitReason,
+        *,
+        exit_code: int | None = None,
+        detail: str | None = None,
+    ) -> None:
+        """The attempt ends for `reason` (an OOMKill, an eviction, an image that cannot be
+        pulled); the next poll reports it."""
+        if attempt_id in self.running:
+            self.scripted_ends[attempt_id] = AttemptExit(
+                attempt_id, exit_code, None, at, reason=reason, detail=detail
+            )
+
+    def launch(self, request: LaunchRequest, now: float) -> AttemptHandle:
         self.running[request.attempt_id] = FakeProcess(request, now)
         self.launched.append(request)
-        return ProcessIdentity(pid=100_000 + request.attempt_id, started_at=now)
+        running = not self.pending_launches
+        self.running[request.attempt_id].running = running
+        return AttemptHandle(f"fake/{request.attempt_id}", now, now if running else None)
 
     def notify_stop(self, attempt_id: int, deadline: float, now: float) -> None:
         if attempt_id in self.unacked:
@@ -67,15 +104,23 @@ class FakeExecutor:
         if proc.deadline is None:
             proc.deadline, proc.noticed_at = deadline, now
             self.notices.append((attempt_id, now))
+            if not proc.running:  # nothing runs yet: withdrawn at once, as a deleted pending pod
+                self.scripted_ends[attempt_id] = AttemptExit(
+                    attempt_id, None, None, now, reason=ExitReason.DELETED, detail="withdrawn while pending"
+                )
 
     def finish(self, attempt_id: int, exit_code: int) -> None:
         """The process exits with `exit_code`; the next poll reports it."""
         if attempt_id in self.running:
             self.pending_exits[attempt_id] = exit_code
 
-    def poll(self, now: float) -> list[AttemptExit]:
+    def poll(self, now: float) -> PollReport:
+        started, self.starts = tuple(self.starts), []
         for attempt_id, proc in list(self.running.items()):
-            if attempt_id in self.pending_exits:
+            if attempt_id in self.scripted_ends:
+                self.unacked[attempt_id] = self.scripted_ends.pop(attempt_id)
+                del self.running[attempt_id]
+            elif attempt_id in self.pending_exits:
                 code = self.pending_exits.pop(attempt_id)
                 self.unacked[attempt_id] = AttemptExit(attempt_id, code, None, now)
                 del self.running[attempt_id]
@@ -83,7 +128,7 @@ class FakeExecutor:
                 killed = AttemptExit(attempt_id, None, _SIGKILL, now, killed_at_deadline=True)
                 self.unacked[attempt_id] = killed
                 del self.running[attempt_id]
-        return list(self.unacked.values())
+        return PollReport(exits=tuple(self.unacked.values()), started=started)
 
     def ack_exit(self, attempt_id: int) -> None:
         self.unacked.pop(attempt_id, None)

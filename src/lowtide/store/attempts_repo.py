@@ -28,7 +28,7 @@ from typing import Any, Generic, TypeVar
 import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
 
-from lowtide.control.executor_port import ProcessIdentity
+from lowtide.control.executor_port import AttemptHandle
 from lowtide.control.records import (
     AttemptLaunch,
     AttemptRecord,
@@ -38,6 +38,7 @@ from lowtide.control.records import (
     NoticeDue,
     StaleState,
 )
+from lowtide.domain.exit_reasons import ExitReason
 from lowtide.domain.gpus import GpuRef, Node
 from lowtide.domain.layout import ArtifactLayout
 from lowtide.domain.states import (
@@ -255,7 +256,7 @@ class AttemptsRepo(StoreBase):
                     step_id=row.id,
                     step_name=step,
                     number=number,
-                    state=AttemptState.RUNNING.value,
+                    state=AttemptState.PENDING.value,  # RUNNING once the executor says it runs
                     node=node,
                     gpus=list(gpus),
                     started_at=now,
@@ -295,13 +296,39 @@ class AttemptsRepo(StoreBase):
                 grace_seconds=row.grace_seconds,
             )
 
-    def set_attempt_process(self, attempt_id: int, identity: ProcessIdentity) -> None:
+    def record_launch(self, attempt_id: int, handle: AttemptHandle) -> None:
+        """Keep what runs the attempt; if it already runs, move it PENDING -> RUNNING."""
         with self._write() as conn:
             conn.execute(
                 sa.update(attempts)
                 .where(attempts.c.id == attempt_id)
-                .values(pid=identity.pid, pid_started_at=identity.started_at)
+                .values(handle=handle.ref, handle_started_at=handle.started_at)
             )
+            if handle.running_at is not None:
+                self._mark_running(conn, attempt_id, handle.running_at)
+
+    def mark_running(self, attempt_id: int, at: float) -> None:
+        """A pending attempt began to run at `at` (`attempt_rules.running_transition`)."""
+        with self._write() as conn:
+            self._mark_running(conn, attempt_id, at)
+
+    @staticmethod
+    def _mark_running(conn: sa.Connection, attempt_id: int, at: float) -> None:
+        row = conn.execute(
+            sa.select(attempts.c.state, attempts.c.running_at, attempts.c.started_at).where(
+                attempts.c.id == attempt_id
+            )
+        ).first()
+        if row is None:
+            return  # as an UPDATE of no row
+        change = rules.running_transition(AttemptState(row.state), row.running_at, row.started_at, at)
+        if change is None:
+            return
+        target, running_at = change
+        if target.value == row.state:  # noticed while pending: it only learns when it ran
+            conn.execute(sa.update(attempts).where(attempts.c.id == attempt_id).values(running_at=running_at))
+        else:
+            move_attempt(conn, attempt_id, [AttemptState(row.state)], target, running_at=running_at)
 
     def active_attempts(self) -> list[AttemptRecord]:
         with self._read() as conn:
@@ -357,6 +384,8 @@ class AttemptsRepo(StoreBase):
         signal: int | None,
         killed_at_deadline: bool,
         half_life_s: float,
+        reason: ExitReason | None = None,
+        detail: str | None = None,
     ) -> None:
         """Apply an exit decision: attempt and step states, GPUs back to idle, usage, tokens."""
         with self._write() as conn:
@@ -371,6 +400,8 @@ class AttemptsRepo(StoreBase):
                 killed_at_deadline=killed_at_deadline,
                 message=decision.message,
                 preempted=decision.preempted,
+                exit_reason=None if reason is None else reason.value,
+                exit_detail=detail,
             )
             step_id = conn.execute(
                 sa.select(attempts.c.step_id).where(attempts.c.id == ctx.attempt_id)
@@ -386,7 +417,13 @@ class AttemptsRepo(StoreBase):
                 values["preemptions"] = steps.c.preemptions + increment
             move_step(conn, step_id, ctx.step_state, decision.step_state, **values)
             att = conn.execute(
-                sa.select(attempts.c.started_at, attempts.c.gpus, jobs.c.team, steps.c.last_checkpoint_at)
+                sa.select(
+                    attempts.c.started_at,
+                    attempts.c.running_at,
+                    attempts.c.gpus,
+                    jobs.c.team,
+                    steps.c.last_checkpoint_at,
+                )
                 .select_from(
                     attempts.join(jobs, jobs.c.id == attempts.c.job_id).join(
                         steps, steps.c.id == attempts.c.step_id
@@ -395,7 +432,11 @@ class AttemptsRepo(StoreBase):
                 .where(attempts.c.id == ctx.attempt_id)
             ).one()
             lost = rules.lost_work_at_exit(
-                decision.attempt_state, len(att.gpus), att.started_at, att.last_checkpoint_at, ended_at
+                decision.attempt_state,
+                len(att.gpus),
+                rules.work_started_at(att.started_at, att.running_at, ended_at),
+                att.last_checkpoint_at,
+                ended_at,
             )
             conn.execute(
                 sa.update(attempts).where(attempts.c.id == ctx.attempt_id).values(lost_gpu_seconds=lost)
@@ -428,7 +469,10 @@ class AttemptsRepo(StoreBase):
                         jobs, jobs.c.id == attempts.c.job_id
                     )
                 )
-                .where(attempts.c.id == attempt_id, attempts.c.state == AttemptState.RUNNING.value)
+                .where(
+                    attempts.c.id == attempt_id,
+                    attempts.c.state.in_([s.value for s in sorted(rules.UNNOTICED_ATTEMPT_STATES)]),
+                )
             ).first()
             if row is None:
                 raise StaleState(f"attempt {attempt_id} is not running")
@@ -474,7 +518,7 @@ class AttemptsRepo(StoreBase):
                     )
                 )
                 .where(
-                    attempts.c.state == AttemptState.RUNNING.value,
+                    attempts.c.state.in_([s.value for s in sorted(rules.UNNOTICED_ATTEMPT_STATES)]),
                     steps.c.state.in_([s.value for s in sorted(rules.NOTICE_STEP_STATES)]),
                 )
                 .order_by(attempts.c.id)
@@ -495,7 +539,7 @@ class AttemptsRepo(StoreBase):
             move_attempt(
                 conn,
                 attempt_id,
-                [AttemptState.RUNNING],
+                sorted(rules.UNNOTICED_ATTEMPT_STATES),
                 AttemptState.STOPPING,
                 notice_at=now,
                 stop_deadline=deadline,

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lowtide.control.records import AttemptRecord, JobRecord, StepRecord
+from lowtide.domain.exit_reasons import ExitReason
 from lowtide.domain.spec import ResolvedStep, SecretUse
 from lowtide.domain.states import AttemptState, JobState, StepState
 
@@ -98,14 +99,17 @@ def attempt_record(r: Any) -> AttemptRecord:
         gpus=tuple(r.gpus),
         started_at=r.started_at,
         ended_at=r.ended_at,
-        pid=r.pid,
-        pid_started_at=r.pid_started_at,
+        handle=r.handle,
+        handle_started_at=r.handle_started_at,
+        running_at=r.running_at,
         exit_code=r.exit_code,
         signal=r.signal,
         notice_at=r.notice_at,
         stop_deadline=r.stop_deadline,
         stop_reason=r.stop_reason,
         killed_at_deadline=bool(r.killed_at_deadline),
+        exit_reason=ExitReason(r.exit_reason) if r.exit_reason else None,
+        exit_detail=r.exit_detail,
         work_dir=r.work_dir,
         record=r.record,
         message=r.message,

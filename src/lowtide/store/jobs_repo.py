@@ -1,10 +1,11 @@
-"""The store's API side for jobs: submit, list, read, cancel, and read attempts.
+"""The store's API side for jobs: submit, list, read, cancel, retry, and read attempts.
 
 A mixin over `base.StoreBase` (one transaction per call), composed into `repo.Store`; `api` calls
 it. Step states start as PENDING/READY here and cancelling moves them through `transitions`
 (guarded); the control loop's writes live in `attempts_repo`, the GPU pool in `pool_repo`.
 The rules it applies (initial step states, which steps a cancel stops now and which get notice,
-step counts, event texts) are `policy.job_rules`, shared with `store.memory`.
+step counts, event texts) are `policy.job_rules`, and what a retry reopens `policy.retry`, both
+shared with `store.memory`.
 Must not: decide anything (what runs when is policy; cancelling only records the request and the
 loop gives notice) or read the clock (every time is passed in).
 """
@@ -28,6 +29,8 @@ from lowtide.control.records import (
     JobScope,
     NewJob,
     NotFound,
+    NotRetriable,
+    RetriedJob,
 )
 from lowtide.domain.states import JobState, StepState
 from lowtide.policy.job_rules import (
@@ -40,10 +43,12 @@ from lowtide.policy.job_rules import (
     step_counts,
     submit_message,
 )
+from lowtide.policy.retry import RetryRefused, RetryStepView, plan_retry
+from lowtide.policy.retry import step_event as retry_step_event
 from lowtide.store.base import StoreBase, insert_event
 from lowtide.store.convert import attempt_record, job_record, resolved_to_doc, step_record
 from lowtide.store.schema import attempts, checkpoints, events, jobs, steps
-from lowtide.store.transitions import move_job, move_job_steps
+from lowtide.store.transitions import move_job, move_job_steps, move_step
 
 
 class JobsRepo(StoreBase):
@@ -259,6 +264,54 @@ class JobsRepo(StoreBase):
             insert_event(conn, job_id, None, None, now, "cancelled", message)
             row = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).one()
             return job_record(row, _step_counts(conn, [job_id]).get(job_id))
+
+    def retry_job(self, job_id: str, *, by: str, now: float) -> RetriedJob:
+        """Retry a FAILED or CANCELLED job in place (`policy.retry.plan_retry`): its SUCCEEDED
+        steps are kept, the others go back to READY or PENDING with a fresh retry budget, the job
+        to RUNNING (QUEUED if it never started). One transaction; the job row is locked first (on
+        PostgreSQL a second retry waits and then finds it RUNNING). Raises `NotRetriable` with the
+        plan's reason, `NotFound`, or `StaleState` when the job moved under it."""
+        with self._write() as conn:
+            row = conn.execute(sa.select(jobs).where(jobs.c.id == job_id).with_for_update()).first()
+            if row is None:
+                raise NotFound(f"job '{job_id}' not found")
+            step_rows = conn.execute(
+                sa.select(steps.c.id, steps.c.name, steps.c.state, steps.c.depends)
+                .where(steps.c.job_id == job_id)
+                .order_by(steps.c.idx)
+            ).all()
+            views = [RetryStepView(r.name, StepState(r.state), tuple(r.depends)) for r in step_rows]
+            plan = plan_retry(job_id, JobState(row.state), row.started_at is not None, views, by=by)
+            if isinstance(plan, RetryRefused):
+                raise NotRetriable(job_id, plan.state, plan.reason)
+            move_job(
+                conn,
+                job_id,
+                plan.from_state,
+                plan.to_state,
+                finished_at=None,
+                cancel_requested_at=None,
+                message=plan.message,
+            )
+            ids = {r.name: r.id for r in step_rows}
+            for move in plan.steps:
+                move_step(
+                    conn,
+                    ids[move.step],
+                    move.from_state,
+                    move.to_state,
+                    retries_used=0,
+                    preemptions=0,
+                    eligible_at=now,
+                    stop_grace=None,
+                    reason=move.reason,
+                    updated_at=now,
+                )
+                insert_event(conn, job_id, move.step, None, now, *retry_step_event(move))
+            insert_event(conn, job_id, None, None, now, "retried", plan.message)
+            row = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).one()
+            record = job_record(row, _step_counts(conn, [job_id]).get(job_id))
+        return RetriedJob(record, plan.ready, plan.pending, plan.kept)
 
     def attempt(self, attempt_id: int) -> AttemptRecord:
         with self._read() as conn:

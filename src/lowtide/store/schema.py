@@ -95,14 +95,20 @@ attempts = sa.Table(
     sa.Column("gpus", sa.JSON, nullable=False),
     sa.Column("started_at", Time, nullable=False),
     sa.Column("ended_at", Time),
-    sa.Column("pid", sa.Integer),
-    sa.Column("pid_started_at", Time),
+    # What runs it, as its executor names it (a pid, a pod): opaque; with when it was created.
+    sa.Column("handle", sa.String(255)),
+    sa.Column("handle_started_at", Time),
+    # When it began to run (NULL while PENDING: an image pull, a pod waiting for its node).
+    sa.Column("running_at", Time),
     sa.Column("exit_code", sa.Integer),
     sa.Column("signal", sa.Integer),
     sa.Column("notice_at", Time),
     sa.Column("stop_deadline", Time),
     sa.Column("stop_reason", sa.Text),
     sa.Column("killed_at_deadline", sa.Boolean, nullable=False, server_default=sa.false()),
+    # Why it ended, as the executor saw it (domain.exit_reasons), and the executor's own words.
+    sa.Column("exit_reason", sa.String(32)),
+    sa.Column("exit_detail", sa.Text),
     sa.Column("work_dir", sa.Text, nullable=False),
     # GPU-seconds of work this attempt lost when it was stopped: from its last checkpoint (or its
     # start) to its end. Zero for attempts that finished; NULL while running.

@@ -1,5 +1,5 @@
 // Job detail: the DAG with step states, attempts (preemptions, lost work), checkpoints, events,
-// parameters and the reproducibility record, a live log tail; cancel and rerun.
+// parameters and the reproducibility record, a live log tail; cancel, retry from the failed steps, rerun.
 import dagre from "dagre";
 import { ApiFailure, call, get, logText, postYaml, type Attempt, type Job, type JobDetail, type Step } from "../api";
 import { append, clear, fmtDuration, fmtTime, h, now, s, section, stateBadge, table } from "../dom";
@@ -114,6 +114,7 @@ export async function jobPage(ctx: PageContext, jobId: string): Promise<void> {
     const msg = h("p", { class: "error", role: "alert" });
     const mayAct = ctx.session.role === "admin" || (ctx.session.role === "user");
     const active = ["QUEUED", "RUNNING", "CANCELLING"].includes(j.state);
+    const retriable = ["FAILED", "CANCELLED"].includes(j.state);  // POST /v1/jobs/{id}/retry (policy.retry)
     clear(head);
     append(head, [
       h("h1", {}, `${j.name} `, h("span", { class: "id" }, j.id), " ", stateBadge(j.state)),
@@ -132,6 +133,11 @@ export async function jobPage(ctx: PageContext, jobId: string): Promise<void> {
           ? h("button", { type: "button", class: "danger", onclick: () => {
               if (window.confirm(`Cancel job ${j.name} (${j.id})?`)) void action("Cancel", () => call<Job>("POST", `/v1/jobs/${encodeURIComponent(jobId)}/cancel`), msg);
             } }, "Cancel job")
+          : null,
+        retriable && (ctx.session.role === "admin" || j.owner === ctx.session.name)
+          ? h("button", { type: "button", class: "retry", title: "Run the failed, cancelled and skipped steps again in this job; succeeded steps are kept",
+              onclick: () => void action("Retry", async () => { await call<unknown>("POST", `/v1/jobs/${encodeURIComponent(jobId)}/retry`); }, msg) },
+              "Retry from failed steps")
           : null,
         h("button", { type: "button", onclick: () => void action("Rerun", () => call<Job>("POST", `/v1/jobs/${encodeURIComponent(jobId)}/rerun`), msg) }, "Rerun"),
         h("button", { type: "button", onclick: () => {

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from lowtide.control.executor_port import ProcessIdentity
+from lowtide.control.executor_port import AttemptHandle
 from lowtide.control.records import (
     AttemptLaunch,
     AttemptRecord,
@@ -25,6 +25,7 @@ from lowtide.control.records import (
     NoticeDue,
     StaleState,
 )
+from lowtide.domain.exit_reasons import ExitReason
 from lowtide.domain.gpus import GpuRef, Node
 from lowtide.domain.layout import ArtifactLayout
 from lowtide.domain.states import JOB_LIFECYCLE, STEP_LIFECYCLE, AttemptState, StepState
@@ -100,7 +101,7 @@ class AttemptsPart(MemoryBase):
                 id=next(self._attempt_ids),
                 step=row,
                 number=number,
-                state=AttemptState.RUNNING,
+                state=AttemptState.PENDING,  # RUNNING once the executor says it runs
                 node=node,
                 gpus=tuple(gpus),
                 started_at=now,
@@ -132,12 +133,30 @@ class AttemptsPart(MemoryBase):
                 grace_seconds=job.grace_seconds,
             )
 
-    def set_attempt_process(self, attempt_id: int, identity: ProcessIdentity) -> None:
+    def record_launch(self, attempt_id: int, handle: AttemptHandle) -> None:
         with self._lock:
             self._check_fence()
             att = self._attempts.get(attempt_id)
-            if att is not None:  # as an UPDATE of no row: nothing happens
-                self._set_attempt(att, att.state, pid=identity.pid, pid_started_at=identity.started_at)
+            if att is None:  # as an UPDATE of no row: nothing happens
+                return
+            self._set_attempt(att, att.state, handle=handle.ref, handle_started_at=handle.started_at)
+            if handle.running_at is not None:
+                self._mark_running(att, handle.running_at)
+
+    def mark_running(self, attempt_id: int, at: float) -> None:
+        with self._lock:
+            self._check_fence()
+            att = self._attempts.get(attempt_id)
+            if att is not None:
+                self._mark_running(att, at)
+
+    def _mark_running(self, att: AttemptRow, at: float) -> None:
+        change = rules.running_transition(att.state, att.running_at, att.started_at, at)
+        if change is not None:
+            target, running_at = change
+            if target != att.state:
+                self._check_attempt(att.id, att.state, target)
+            self._set_attempt(att, target, running_at=running_at)
 
     def active_attempts(self) -> list[AttemptRecord]:
         with self._lock:
@@ -174,6 +193,8 @@ class AttemptsPart(MemoryBase):
         signal: int | None,
         killed_at_deadline: bool,
         half_life_s: float,
+        reason: ExitReason | None = None,
+        detail: str | None = None,
     ) -> None:
         """Apply an exit decision: attempt and step states, GPUs back to idle, usage, tokens."""
         with self._lock:
@@ -184,7 +205,11 @@ class AttemptsPart(MemoryBase):
 
             n = len(att.gpus)
             lost = rules.lost_work_at_exit(
-                decision.attempt_state, n, att.started_at, step.last_checkpoint_at, ended_at
+                decision.attempt_state,
+                n,
+                rules.work_started_at(att.started_at, att.running_at, ended_at),
+                step.last_checkpoint_at,
+                ended_at,
             )
             self._set_attempt(
                 att,
@@ -196,6 +221,8 @@ class AttemptsPart(MemoryBase):
                 message=decision.message,
                 preempted=decision.preempted,
                 lost_gpu_seconds=lost,
+                exit_reason=reason,
+                exit_detail=detail,
             )
             increment = rules.preemption_increment(decision)
             self._set_step(
@@ -235,7 +262,7 @@ class AttemptsPart(MemoryBase):
         with self._lock:
             self._check_fence()
             att = self._attempts.get(attempt_id)
-            if att is None or att.state != AttemptState.RUNNING:
+            if att is None or att.state not in rules.UNNOTICED_ATTEMPT_STATES:
                 raise StaleState(f"attempt {attempt_id} is not running")
             step = att.step
             self._check_step(step, StepState.RUNNING, StepState.PREEMPTING)
@@ -261,7 +288,10 @@ class AttemptsPart(MemoryBase):
     def mark_stopping(self, attempt_id: int, *, deadline: float, reason: str, now: float) -> None:
         with self._lock:
             self._check_fence()
-            att = self._check_attempt(attempt_id, AttemptState.RUNNING, AttemptState.STOPPING)
+            found = self._attempts.get(attempt_id)
+            current = found.state if found is not None else AttemptState.RUNNING
+            expected = current if current in rules.UNNOTICED_ATTEMPT_STATES else AttemptState.RUNNING
+            att = self._check_attempt(attempt_id, expected, AttemptState.STOPPING)
             self._set_attempt(
                 att, AttemptState.STOPPING, notice_at=now, stop_deadline=deadline, stop_reason=reason
             )

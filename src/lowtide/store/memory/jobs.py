@@ -1,9 +1,10 @@
-"""The in-memory store's API side for jobs: submit, list, read, cancel, and read attempts.
+"""The in-memory store's API side for jobs: submit, list, read, cancel, retry, and read attempts.
 
 The counterpart of `store.jobs_repo`, with the same signatures, records and errors; the rules
 (initial step states, what a cancel does to each step, step counts, event texts) are
-`policy.job_rules`, shared with it. Listing walks the jobs in (submitted_at, id) order from the
-`before` cursor, so a page costs what it returns plus the jobs its filters skip.
+`policy.job_rules`, what a retry reopens `policy.retry`, shared with it. Listing walks the jobs
+in (submitted_at, id) order from the `before` cursor, so a page costs what it returns plus the
+jobs its filters skip.
 Neighbours: `base.MemoryBase` (state, guarded moves), `attempts` (the loop's side).
 Must not: decide anything or read the clock (every time is passed in).
 """
@@ -21,6 +22,8 @@ from lowtide.control.records import (
     JobScope,
     NewJob,
     NotFound,
+    NotRetriable,
+    RetriedJob,
 )
 from lowtide.domain.states import STEP_LIFECYCLE, JobState, StepState
 from lowtide.policy.job_rules import (
@@ -35,6 +38,8 @@ from lowtide.policy.job_rules import (
     step_counts,
     submit_message,
 )
+from lowtide.policy.retry import RetryRefused, RetryStepView, plan_retry
+from lowtide.policy.retry import step_event as retry_step_event
 from lowtide.store.convert import job_record, resolved_to_doc, step_record
 from lowtide.store.memory.base import MemoryBase, count_state
 from lowtide.store.memory.rows import JobRow, StepRow
@@ -182,6 +187,38 @@ class JobsPart(MemoryBase):
             message = cancel_message(by, moved.get(StepState.CANCELLING, 0))
             self._event(job_id, None, None, now, "cancelled", message)
             return job_record(job, step_counts(s.state for s in job.steps))
+
+    def retry_job(self, job_id: str, *, by: str, now: float) -> RetriedJob:
+        """Retry a FAILED or CANCELLED job in place (`policy.retry.plan_retry`), as
+        `store.jobs_repo.JobsRepo.retry_job`: every move is checked before any is made."""
+        with self._lock:
+            self._check_fence()
+            job = self._job_row(job_id)
+            views = [RetryStepView(s.name, s.state, s.depends) for s in job.steps]
+            plan = plan_retry(job_id, job.state, job.started_at is not None, views, by=by)
+            if isinstance(plan, RetryRefused):
+                raise NotRetriable(job_id, plan.state, plan.reason)
+            self._check_job(job, plan.from_state, plan.to_state)
+            for move in plan.steps:
+                self._check_step(job.step_by_name[move.step], move.from_state, move.to_state)
+            self._set_job(
+                job, plan.to_state, finished_at=None, cancel_requested_at=None, message=plan.message
+            )
+            for move in plan.steps:
+                self._set_step(
+                    job.step_by_name[move.step],
+                    move.to_state,
+                    retries_used=0,
+                    preemptions=0,
+                    eligible_at=now,
+                    stop_grace=None,
+                    reason=move.reason,
+                    updated_at=now,
+                )
+                self._event(job_id, move.step, None, now, *retry_step_event(move))
+            self._event(job_id, None, None, now, "retried", plan.message)
+            record = job_record(job, step_counts(s.state for s in job.steps))
+        return RetriedJob(record, plan.ready, plan.pending, plan.kept)
 
     def attempt(self, attempt_id: int) -> AttemptRecord:
         with self._lock:

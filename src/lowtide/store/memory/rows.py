@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lowtide.control.records import AttemptRecord, CheckpointRecord
+from lowtide.domain.exit_reasons import ExitReason
 from lowtide.domain.states import AttemptState, JobState, StepState
 from lowtide.policy.attempt_rules import SpecIndex
 from lowtide.policy.dag import JobView
@@ -89,8 +90,11 @@ class AttemptRow:
     record: Any  # FrozenDict
     message: str = ""
     ended_at: float | None = None
-    pid: int | None = None
-    pid_started_at: float | None = None
+    handle: str | None = None
+    handle_started_at: float | None = None
+    running_at: float | None = None
+    exit_reason: ExitReason | None = None
+    exit_detail: str | None = None
     exit_code: int | None = None
     signal: int | None = None
     notice_at: float | None = None
