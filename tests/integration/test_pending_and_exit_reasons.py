@@ -158,3 +158,47 @@ def test_an_image_that_cannot_be_pulled_fails_the_step_with_the_executors_words(
     ended = h.store.attempt(att.id)
     assert "image could not be pulled" in ended.message and words in ended.message
     assert (ended.state, ended.running_at, ended.lost_gpu_seconds) == (AttemptState.FAILED, None, 0.0)
+
+
+def test_the_walltime_counts_from_when_the_attempt_runs_not_from_its_launch(h: LoopHarness) -> None:
+    job = h.submit({"name": "timed", "steps": [{"name": "t", "command": ["x"], "gpus": 1, "timeout": 100}]})
+    h.tick()
+    att = h.last_attempt(job)
+    h.tick(60)  # an image pull of 60 s: no running time
+    executor(h).start(att.id, h.clock.now())
+    ran_at = h.clock.now()
+    report = h.tick()
+    assert report.next_due == ran_at + 100
+    h.tick(98)  # 100 s after the launch, 99 s of running
+    assert executor(h).notices == [] and h.store.attempt(att.id).state == AttemptState.RUNNING
+    h.tick()
+    assert [a for a, _ in executor(h).notices] == [att.id]  # at 100 s of running
+    assert h.store.attempt(att.id).stop_reason is not None
+
+
+def test_a_retried_step_gets_its_whole_walltime_again(h: LoopHarness) -> None:
+    job = h.submit(
+        {
+            "name": "timed",
+            "grace_seconds": 5,
+            "steps": [{"name": "t", "command": ["x"], "gpus": 1, "timeout": 100}],
+        }
+    )
+    h.tick()
+    first = h.last_attempt(job)
+    executor(h).start(first.id, h.clock.now())
+    h.tick(101)  # over its walltime: notice
+    h.tick(6)  # killed at the grace deadline
+    h.tick()
+    assert h.step(job).state == StepState.FAILED and "timed out" in h.step(job).reason
+    h.store.retry_job(job, by="u", now=h.clock.now())
+    h.tick()
+    second = h.last_attempt(job)
+    assert second.id != first.id
+    executor(h).start(second.id, h.clock.now())
+    h.tick(50)  # 50 s into a fresh 100 s budget: no notice yet
+    assert [a for a, _ in executor(h).notices] == [first.id]
+    assert h.store.attempt(second.id).state == AttemptState.RUNNING
+    executor(h).finish(second.id, 0)
+    h.tick()
+    assert h.step(job).state == StepState.SUCCEEDED

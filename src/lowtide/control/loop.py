@@ -503,6 +503,7 @@ class ControlLoop:
         """Record that a pending attempt began to run (retried every tick until the store has it)."""
         try:
             self.store.mark_running(attempt_id, at)
+            self._budgets.pop(attempt_id, None)  # its walltime runs from now: read it again
         except StoreUnavailable:
             report.store_failed()
             return
@@ -643,9 +644,8 @@ class ControlLoop:
         return walltime.timed_out(budget, ended_at=ended_at, stop_reason=stop_reason)
 
     def _budget(self, att: AttemptRecord) -> walltime.WalltimeBudget:
-        return self._make_budget(
-            att.id, att.job_id, att.step_name, att.number, att.started_at, lambda: att.record
-        )
+        began = att.running_at if att.running_at is not None else att.started_at
+        return self._make_budget(att.id, att.job_id, att.step_name, att.number, began, lambda: att.record)
 
     def _make_budget(
         self,
@@ -670,7 +670,16 @@ class ControlLoop:
         used = 0.0
         if limit is not None and number > 1:
             earlier = self.store.step_attempts(job_id, step)
-            used = walltime.used_before(((a.number, a.started_at, a.ended_at) for a in earlier), number)
+            # Running time only (not a pending image pull), and only since the last `retry`.
+            retried_at = self.store.step(job_id, step).retried_at
+            used = walltime.used_before(
+                (
+                    (a.number, a.running_at, a.ended_at)
+                    for a in earlier
+                    if a.running_at is not None and (retried_at is None or a.started_at >= retried_at)
+                ),
+                number,
+            )
         budget = walltime.WalltimeBudget(
             attempt_id=attempt_id,
             job_id=job_id,
@@ -809,6 +818,8 @@ class ControlLoop:
             return False
         self._launch_succeeded(launch)
         self.store.record_launch(launch.attempt_id, handle)
+        if handle.running_at is None:
+            return True  # pending: its walltime starts when it runs (`_record_running`)
         try:  # its walltime deadline joins this tick's `next_due` (the scan sees it from next tick)
             budget = self._make_budget(
                 launch.attempt_id,

@@ -17,6 +17,7 @@ from lowtide.control.records import (
     CheckpointRecord,
     ExitContext,
     NoticeDue,
+    StepRecord,
     TokenRecord,
 )
 from lowtide.domain.exit_reasons import ExitReason
@@ -55,6 +56,8 @@ class StorePort(Protocol):
     def exit_context(self, attempt_id: int) -> ExitContext: ...
 
     def attempt(self, attempt_id: int) -> AttemptRecord: ...
+
+    def step(self, job_id: str, step: str) -> StepRecord: ...
 
     def step_attempts(self, job_id: str, step: str) -> list[AttemptRecord]: ...
 

@@ -137,6 +137,7 @@ class StepRecord:
     last_checkpoint: str | None
     last_checkpoint_at: float | None
     updated_at: float
+    retried_at: float | None = None  # when `lowtide retry` last reopened it
 
 
 @dataclass(frozen=True, slots=True)

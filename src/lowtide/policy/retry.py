@@ -30,9 +30,9 @@ Rules (docs/architecture.md §7.1)
 - The job becomes RUNNING when it had started before (`started_at` set), else QUEUED (a job
   cancelled before any step started); its end (`finished_at`) and cancel request are cleared.
 
-Not reset (a choice, documented in the README): a step's walltime budget is its running time
-summed over all its attempts (`policy.walltime`), so a step that FAILED on its `timeout` and is
-retried gets notice at its first tick, as a step preempted past its limit does.
+The walltime budget starts again too: the store records when it reopened the step
+(`steps.retried_at`) and the loop counts only the running time of the attempts since then
+(`policy.walltime`).
 """
 
 from __future__ import annotations

@@ -85,6 +85,7 @@ def step_record(r: Any) -> StepRecord:
         last_checkpoint=r.last_checkpoint,
         last_checkpoint_at=r.last_checkpoint_at,
         updated_at=r.updated_at,
+        retried_at=r.retried_at,
     )
 
 

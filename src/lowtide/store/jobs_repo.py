@@ -31,6 +31,7 @@ from lowtide.control.records import (
     NotFound,
     NotRetriable,
     RetriedJob,
+    StepRecord,
 )
 from lowtide.domain.states import JobState, StepState
 from lowtide.policy.job_rules import (
@@ -304,6 +305,7 @@ class JobsRepo(StoreBase):
                     preemptions=0,
                     eligible_at=now,
                     stop_grace=None,
+                    retried_at=now,
                     reason=move.reason,
                     updated_at=now,
                 )
@@ -319,6 +321,13 @@ class JobsRepo(StoreBase):
         if row is None:
             raise NotFound(f"attempt {attempt_id} not found")
         return attempt_record(row)
+
+    def step(self, job_id: str, step: str) -> StepRecord:
+        with self._read() as conn:
+            row = conn.execute(sa.select(steps).where(steps.c.job_id == job_id, steps.c.name == step)).first()
+        if row is None:
+            raise NotFound(f"step '{step}' of job '{job_id}' not found")
+        return step_record(row)
 
     def step_attempts(self, job_id: str, step: str) -> list[AttemptRecord]:
         with self._read() as conn:

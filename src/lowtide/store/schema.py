@@ -71,6 +71,8 @@ steps = sa.Table(
     sa.Column("reason", sa.Text, nullable=False, server_default=""),
     sa.Column("last_checkpoint", sa.Text),
     sa.Column("last_checkpoint_at", Time),
+    # When `lowtide retry` last reopened it: its walltime counts attempts from then on.
+    sa.Column("retried_at", Time),
     sa.Column("updated_at", Time, nullable=False),
     # Preemption: not before `min_runtime`; fail after `max_preemptions`; a restart costs this much.
     sa.Column("min_runtime", sa.Float, nullable=False, server_default="0"),

@@ -24,6 +24,7 @@ from lowtide.control.records import (
     NotFound,
     NotRetriable,
     RetriedJob,
+    StepRecord,
 )
 from lowtide.domain.states import STEP_LIFECYCLE, JobState, StepState
 from lowtide.policy.job_rules import (
@@ -212,6 +213,7 @@ class JobsPart(MemoryBase):
                     preemptions=0,
                     eligible_at=now,
                     stop_grace=None,
+                    retried_at=now,
                     reason=move.reason,
                     updated_at=now,
                 )
@@ -226,6 +228,10 @@ class JobsPart(MemoryBase):
             if att is None:
                 raise NotFound(f"attempt {attempt_id} not found")
             return self._attempt_record(att)
+
+    def step(self, job_id: str, step: str) -> StepRecord:
+        with self._lock:
+            return step_record(self._step_row(job_id, step))
 
     def step_attempts(self, job_id: str, step: str) -> list[AttemptRecord]:
         with self._lock:

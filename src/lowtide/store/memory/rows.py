@@ -68,6 +68,7 @@ class StepRow:
     eligible_at: float = 0.0
     last_checkpoint: str | None = None
     last_checkpoint_at: float | None = None
+    retried_at: float | None = None
     stop_grace: float | None = None
     attempts: list[AttemptRow] = field(default_factory=list)  # in number order
     active: dict[int, AttemptRow] = field(default_factory=dict)  # attempts holding GPUs
