@@ -213,6 +213,9 @@ class SchedulerConfig(_Strict):
 
 
 class ExecutorConfig(_Strict):
+    #: ``local`` runs steps on this host; ``argo`` runs each job as an Argo Workflow in a
+    #: Kubernetes cluster (needs the ``argo:`` section and a remote artifact root; docs/cluster.md).
+    kind: Literal["local", "argo"] = "local"
     #: ``process`` runs a step's command directly; ``docker``/``podman`` run its image.
     runtime: Literal["process", "docker", "podman"] = "process"
     retry_backoff: float = 10.0
@@ -381,6 +384,34 @@ class ServiceSimulation(_Strict):
     slo_ttft_p90: float = Field(default=2.0, gt=0, allow_inf_nan=False)
 
 
+class KubernetesServiceConfig(_Strict):
+    """`services[].kubernetes`: the vLLM Deployment whose pods are the service's replicas when
+    `manager: kubernetes` (docs/cluster.md "Serving on Kubernetes")."""
+
+    namespace: str
+    deployment: str
+    #: The port vLLM listens on in the pod (a replica's URL is http://<pod IP>:<port>).
+    port: int = Field(default=8000, ge=1, le=65535)
+    #: A Service selecting the pods: a pod serves only once its EndpointSlices list it ready.
+    endpoint_service: str | None = None
+    #: An HPA or KEDA ScaledObject on the same Deployment: `refuse` to scale, or `steer` its bounds.
+    on_autoscaler: Literal["refuse", "steer"] = "refuse"
+    #: The longest one API request may take (a slow API server delays a tick by at most this).
+    request_timeout: float = 5.0
+
+    @field_validator("request_timeout", mode="before")
+    @classmethod
+    def _duration(cls, v: Any) -> float:
+        return parse_duration(v)
+
+    @field_validator("namespace", "deployment", "endpoint_service")
+    @classmethod
+    def _dns(cls, v: str | None) -> str | None:
+        if v is not None and not _NAME_RULE.fullmatch(v):
+            raise ValueError(f"{v!r} is not a DNS-1123 label (lowercase letters, digits, '-')")
+        return v
+
+
 class ServiceConfig(_Strict):
     """An inference service lowtide runs (embedded mode) and lends GPUs from."""
 
@@ -392,6 +423,10 @@ class ServiceConfig(_Strict):
     headroom_replicas: int = Field(default=0, ge=0)
     min_safe_replicas: int | None = Field(default=None, ge=0)
     park: Literal["stop", "sleep"] = "stop"
+    #: Who runs the replicas: `local` processes, or the pods of a Kubernetes Deployment that
+    #: lowtide scales (`kubernetes:` names it; docs/cluster.md "Serving on Kubernetes").
+    manager: Literal["local", "kubernetes"] = "local"
+    kubernetes: KubernetesServiceConfig | None = None
     #: vLLM sleep level with ``park: sleep``: 1 offloads the weights to host RAM (fast wake), 2
     #: discards them (the wake reloads them from disk; no host RAM held). docs/vllm.md.
     sleep_level: Literal[1, 2] = 1
@@ -480,6 +515,20 @@ class ServiceConfig(_Strict):
             raise ValueError("base_port + max_replicas goes past port 65535")
         if self.command is not None and not self.command:
             raise ValueError("command: give the program and its arguments")
+        if self.manager == "kubernetes":
+            if self.kubernetes is None:
+                raise ValueError(
+                    "manager: kubernetes needs `kubernetes: {namespace, deployment}` naming the vLLM "
+                    "Deployment"
+                )
+            if self.park == "sleep":
+                raise ValueError(
+                    "park: sleep cannot be used with manager: kubernetes: a sleeping vLLM pod keeps "
+                    "its GPU allocation (nvidia.com/gpu stays requested), so nothing could be lent; "
+                    "use park: stop (the Deployment is scaled down)"
+                )
+        elif self.kubernetes is not None:
+            raise ValueError("kubernetes: is only used with manager: kubernetes")
         return self
 
     def replica_ports(self) -> list[int]:
@@ -597,9 +646,89 @@ class SecretConfig(_Strict):
         return v
 
 
+class ArgoConfig(_Strict):
+    """Cluster mode: how a job becomes an Argo Workflow (`argo:`; docs/cluster.md "Jobs as Argo
+    Workflows"). The admission gate's name is fixed (`lowtide.io/admission`). `artifact_root`
+    (default: the top-level one) must be remote object storage, e.g. ``s3://bucket/prefix``."""
+
+    namespace: str = "lowtide"
+    service_account: str | None = None
+    research_priority_class: str = "lowtide-research"
+    #: Added to a job's grace for its pods' terminationGracePeriodSeconds.
+    grace_margin_seconds: float = Field(default=15.0, ge=0, le=3600, allow_inf_nan=False)
+    #: The code the in-image shim exits with when the step was interrupted (75: EX_TEMPFAIL).
+    interrupted_exit_code: int = Field(default=75, ge=1, le=125)
+    shim_command: list[str] = Field(default_factory=lambda: ["lowtide-step-shim", "--"], min_length=1)
+    #: The image of steps that name none (None: every step must name one).
+    default_image: str | None = None
+    artifact_root: str | None = None
+    api_url: str | None = None
+    #: A Kubernetes Secret whose keys become env of every step (object storage credentials).
+    storage_secret: str | None = None
+    #: The key of a job secret's value in the Kubernetes Secret named like the lowtide secret.
+    secret_key: str = "value"  # noqa: S105 - the name of a key in a Secret, not a value
+    #: `executor.kind: argo`: the kubeconfig file to reach the cluster (None: the pod's
+    #: ServiceAccount in a cluster, else KUBECONFIG or ~/.kube/config).
+    kubeconfig: str | None = None
+
+    @field_validator("grace_margin_seconds", mode="before")
+    @classmethod
+    def _margin(cls, v: Any) -> float:
+        return parse_duration(v)
+
+    @field_validator("namespace", "research_priority_class", "service_account", "storage_secret")
+    @classmethod
+    def _dns_names(cls, v: str | None) -> str | None:
+        if v is not None and not _NAME_RULE.fullmatch(v):
+            raise ValueError(f"{v!r} is not a DNS-1123 label (lowercase letters, digits, '-')")
+        return v
+
+    @field_validator("artifact_root")
+    @classmethod
+    def _remote(cls, v: str | None) -> str | None:
+        if v is not None and ("://" not in v or v.startswith(("file://", "memory://"))):
+            raise ValueError(f"{v!r} must be remote object storage (e.g. s3://bucket/prefix)")
+        return v
+
+
+class KubernetesLeaseConfig(_Strict):
+    """The `coordination.k8s.io/v1` Lease that elects the leader when `control.lease_backend` is
+    `kubernetes` (`adapters.k8s_lease`); its duration is `control.lease_ttl` rounded up."""
+
+    #: The Lease's namespace; default: the pod's own (the ServiceAccount's namespace file), else
+    #: the namespace of the KUBECONFIG context, else "default".
+    namespace: str | None = None
+    name: str = "lowtide-control"
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, v: str | None) -> str | None:
+        if v is not None and not _K8S_LABEL.fullmatch(v):
+            raise ValueError(f"{v!r} is not a valid namespace (a DNS-1123 label: a-z, 0-9, '-', at most 63)")
+        return v
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _K8S_SUBDOMAIN.fullmatch(v):
+            raise ValueError(f"{v!r} is not a valid Lease name (a DNS-1123 subdomain: a-z, 0-9, '-', '.')")
+        return v
+
+
+#: Kubernetes object names (apimachinery pkg/util/validation: DNS-1123 label / subdomain).
+_K8S_LABEL = re.compile(r"(?=.{1,63}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_K8S_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
 class ControlConfig(_Strict):
     """The one active control plane (docs/architecture.md §4.4): several `lowtide up` may share a
     store; the holder of its lease acts, the others stand by and take over when it expires."""
+
+    #: Who elects the leader: `store` (the store's lease alone) or `kubernetes` (a
+    #: coordination.k8s.io Lease, `kubernetes_lease`; its holder then claims the store's lease,
+    #: which still fences the writes; a control plane that loses the Lease exits, code 1).
+    lease_backend: Literal["store", "kubernetes"] = "store"
+    kubernetes_lease: KubernetesLeaseConfig = Field(default_factory=KubernetesLeaseConfig)
 
     #: How long the lease lasts without a renew: a standby takes over at most this long (plus
     #: `lease_renew`) after the leader died; the leader stops acting at 80 % of it after its
@@ -667,6 +796,8 @@ class Settings(BaseSettings):
     control: ControlConfig = Field(default_factory=ControlConfig)
     #: Secrets jobs may name by reference, by name (docs/architecture.md §11).
     secrets: dict[str, SecretConfig] = Field(default_factory=dict)
+    #: Cluster mode: jobs as Argo Workflows (`lowtide argo render`).
+    argo: ArgoConfig = Field(default_factory=ArgoConfig)
 
     @field_validator("secrets")
     @classmethod
@@ -688,6 +819,22 @@ class Settings(BaseSettings):
         if not 0.05 <= seconds <= 3600:
             raise ValueError("the tick must be between 0.05 s and 1 h")
         return seconds
+
+    @model_validator(mode="after")
+    def _argo_executor(self) -> Settings:
+        if self.executor.kind != "argo":
+            return self
+        root = self.argo.artifact_root or self.artifact_root
+        if not root or "://" not in root or root.startswith(("file://", "memory://")):
+            raise ValueError(
+                f"executor.kind: argo needs remote object storage for artifacts (argo.artifact_root or "
+                f"artifact_root, e.g. s3://bucket/prefix); got {root!r}: pods cannot reach lowtide's disk"
+            )
+        if self.executor.runtime != "process":
+            raise ValueError(
+                "executor.runtime: with executor.kind: argo the cluster runs the images; leave it unset"
+            )
+        return self
 
     @model_validator(mode="after")
     def _auth_off_only_on_loopback(self) -> Settings:
@@ -723,7 +870,9 @@ class Settings(BaseSettings):
                     f"services[{i}].gpus_per_replica: {svc.gpus_per_replica} GPUs "
                     f"but the largest node has {largest}"
                 )
-            ports = {p: f"services[{i}] replica {p - svc.base_port}" for p in svc.replica_ports()}
+            # A Kubernetes-managed service's replicas listen in their pods, not on this host.
+            local = svc.manager == "local"
+            ports = {p: f"services[{i}] replica {p - svc.base_port}" for p in svc.replica_ports() if local}
             if svc.gateway_port is not None:
                 ports[svc.gateway_port] = f"services[{i}].gateway_port"
             for port, what in ports.items():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import math
 import os
 import secrets
 import signal
@@ -20,9 +21,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
-from typing import TextIO
+from typing import Any, TextIO
 
 import uvicorn
 from fastapi import FastAPI
@@ -44,6 +46,7 @@ from lowtide.adapters.local_services import LocalServiceManager
 from lowtide.adapters.metrics_sources import PromQLSource, ScrapeSource
 from lowtide.adapters.net import bind_tcp
 from lowtide.adapters.secrets import ConfiguredSecrets, SecretSource
+from lowtide.adapters.service_routing import ForgetsReplicas, RoutedServiceManager
 from lowtide.adapters.step_identity import current_user, resolve_job_users
 from lowtide.adapters.storage import FsspecArtifacts
 from lowtide.adapters.supervision import pin_boot_time
@@ -60,11 +63,11 @@ from lowtide.config import (
     service_spec,
 )
 from lowtide.control.clock import Clock, ClockWatch, SystemClock
-from lowtide.control.executor_port import JobUsers
+from lowtide.control.executor_port import Executor, JobUsers
 from lowtide.control.inference import InferenceController, ServiceSetup
-from lowtide.control.inference_ports import MetricsSource
-from lowtide.control.leadership import Leadership, Term
-from lowtide.control.lease import LeaseCandidate, LeaseTiming, holder_name, seat_of
+from lowtide.control.inference_ports import MetricsSource, ServiceManager
+from lowtide.control.leadership import Leadership, LeasePort, Term
+from lowtide.control.lease import MARGIN_SHARE, LeaseCandidate, LeaseTiming, holder_name, seat_of
 from lowtide.control.loop import ControlLoop, LoopSettings
 from lowtide.control.secrets_port import SecretRule
 from lowtide.control.store_health import StoreHealth
@@ -295,7 +298,7 @@ class Embedded:
     settings: Settings
     nodes: tuple[Node, ...]
     store: Store
-    executor: LocalExecutor
+    executor: Executor  # LocalExecutor, or ArgoExecutor when executor.kind is argo
     loop: ControlLoop
     app: FastAPI
     clock: Clock
@@ -352,12 +355,16 @@ def build(settings: Settings, *, clock: Clock | None = None) -> Embedded:
     # A process ending or a replica answering wakes the loop at once (bound once the loop exists).
     wake = _LateCall()
     watcher = ExitWatcher(wake)
-    executor = LocalExecutor(
-        store.instance_id(),
-        runtime=runtime,
-        watcher=watcher,
-        env_allowlist=settings.executor.env_allowlist,
-        clock=clock,
+    executor: Executor = (
+        build_argo_executor(settings, store)
+        if settings.executor.kind == "argo"
+        else LocalExecutor(
+            store.instance_id(),
+            runtime=runtime,
+            watcher=watcher,
+            env_allowlist=settings.executor.env_allowlist,
+            clock=clock,
+        )
     )
     layout = ArtifactLayout(artifact_root=settings.artifacts, work_root=settings.work_root)
     scheduler = scheduler_policy(settings, cpus_per_node=os.cpu_count() or 1)
@@ -527,7 +534,7 @@ def build_inference(
     )
     controller = InferenceController(
         store=store,
-        manager=LocalServiceManager(instance_id, watcher=watcher, on_progress=on_progress),
+        manager=service_manager(settings, instance_id, watcher=watcher, on_progress=on_progress),
         sources={cfg.name: metrics_source(cfg) for cfg in settings.services},
         gateway=router,
         services=setups,
@@ -535,6 +542,130 @@ def build_inference(
         nodes=nodes,
     )
     return controller, router
+
+
+def service_manager(
+    settings: Settings,
+    instance_id: str,
+    *,
+    watcher: ExitWatcher | None = None,
+    on_progress: Callable[[], None] | None = None,
+    api_client: Any = None,
+) -> ServiceManager:
+    """The service manager of `services[].manager`: local processes, pods of Kubernetes
+    Deployments (`adapters.k8s_services`), or both routed by service. `api_client`: a
+    `kubernetes.client.ApiClient` (default: in-cluster credentials, else KUBECONFIG)."""
+    local = LocalServiceManager(instance_id, watcher=watcher, on_progress=on_progress)
+    kube = [c for c in settings.services if c.manager == "kubernetes" and c.kubernetes is not None]
+    if not kube:
+        return local
+    # Imported here: the kubernetes client takes a while to import and only cluster mode needs it.
+    from lowtide.adapters.k8s_services import (  # noqa: PLC0415
+        DeploymentTarget,
+        KubernetesServiceManager,
+    )
+
+    targets = [
+        DeploymentTarget(
+            service=c.name,
+            namespace=c.kubernetes.namespace,
+            deployment=c.kubernetes.deployment,
+            port=c.kubernetes.port,
+            endpoint_service=c.kubernetes.endpoint_service,
+            on_autoscaler=c.kubernetes.on_autoscaler,
+        )
+        for c in kube
+        if c.kubernetes is not None
+    ]
+    timeout = min(c.kubernetes.request_timeout for c in kube if c.kubernetes is not None)
+    k8s = KubernetesServiceManager(
+        api_client if api_client is not None else kube_api_client(), targets, request_timeout_s=timeout
+    )
+    if len(kube) == len(settings.services):
+        local.close()
+        return k8s
+    return RoutedServiceManager(
+        {c.name: (k8s if c.manager == "kubernetes" else local) for c in settings.services}
+    )
+
+
+def argo_workflows(store: Any, settings: Any) -> Callable[[str], Any]:
+    """How the Argo executor gets a job's Workflow (docs/cluster.md "The Argo executor at runtime"):
+    the job as stored (its spec document and resolved steps, `store.job_detail`) compiled with
+    `settings` (`adapters.argo.workflow.ArgoSettings`). Raises ArgoCompileError or NotFound."""
+    from lowtide.adapters.argo.workflow import compile_workflow  # noqa: PLC0415 - cluster mode only
+    from lowtide.domain.spec_parse import build_job_spec  # noqa: PLC0415
+    from lowtide.store.convert import resolved_from_doc  # noqa: PLC0415
+
+    def compile_job(job_id: str) -> Any:
+        detail = store.job_detail(job_id)
+        spec = build_job_spec(detail.job.spec)
+        resolved = {s.name: resolved_from_doc(s.resolved) for s in detail.steps}
+        return compile_workflow(spec, job_id=job_id, settings=settings, resolved=resolved)
+
+    return compile_job
+
+
+def build_argo_executor(settings: Settings, store: Store) -> Executor:
+    """`executor.kind: argo`: the Argo executor over the cluster's API (`argo.kubeconfig`, else
+    in-cluster credentials, else KUBECONFIG). Raises ConfigError naming the setting."""
+    from lowtide.adapters.argo.executor import ArgoExecutor  # noqa: PLC0415 - cluster mode only
+    from lowtide.adapters.argo.workflow import ArgoCompileError, ArgoSettings  # noqa: PLC0415
+
+    argo = settings.argo
+    try:
+        argo_settings = ArgoSettings(
+            artifact_root=argo.artifact_root or settings.artifact_root or "",
+            namespace=argo.namespace,
+            service_account=argo.service_account,
+            research_priority_class=argo.research_priority_class,
+            grace_margin_seconds=argo.grace_margin_seconds,
+            interrupted_exit_code=argo.interrupted_exit_code,
+            shim_command=tuple(argo.shim_command),
+            default_image=argo.default_image,
+            api_url=argo.api_url,
+            storage_secret=argo.storage_secret,
+            secret_key=argo.secret_key,
+            secret_env={name: secret.env for name, secret in settings.secrets.items()},
+        )
+    except ArgoCompileError as exc:
+        raise ConfigError(f"argo: {exc}") from None
+    if argo.kubeconfig is None:
+        api_client = kube_api_client()
+    else:
+        from kubernetes import client as kube_client  # noqa: PLC0415
+        from kubernetes import config as kube_config  # noqa: PLC0415
+
+        configuration = kube_client.Configuration()
+        try:
+            kube_config.load_kube_config(config_file=argo.kubeconfig, client_configuration=configuration)
+        except Exception as exc:  # ConfigException, a missing or unreadable file
+            raise ConfigError(f"argo.kubeconfig: {argo.kubeconfig}: cannot be used: {exc}") from exc
+        api_client = kube_client.ApiClient(configuration)
+    return ArgoExecutor(api_client, argo_settings, argo_workflows(store, argo_settings))
+
+
+def kube_api_client() -> Any:
+    """A `kubernetes.client.ApiClient` from the pod's ServiceAccount when running in a cluster
+    (KUBERNETES_SERVICE_HOST set), else from KUBECONFIG / ~/.kube/config."""
+    from kubernetes import client as kube_client  # noqa: PLC0415 - only cluster mode needs it
+    from kubernetes import config as kube_config  # noqa: PLC0415
+
+    configuration = kube_client.Configuration()
+    try:
+        if os.environ.get("KUBERNETES_SERVICE_HOST"):
+            kube_config.load_incluster_config(client_configuration=configuration)
+        else:
+            # KUBECONFIG read now: the client reads it once, when it is imported.
+            kube_config.load_kube_config(
+                config_file=os.environ.get("KUBECONFIG") or None, client_configuration=configuration
+            )
+    except Exception as exc:  # ConfigException, a missing or unreadable file
+        raise ServeError(
+            f"services[].manager: kubernetes: no Kubernetes credentials ({exc}); run lowtide in a pod "
+            "with a ServiceAccount, or set KUBECONFIG"
+        ) from exc
+    return kube_client.ApiClient(configuration)
 
 
 def start_gateways(settings: Settings, gateway: GatewaySupervisor | None) -> GatewaySupervisor | None:
@@ -673,20 +804,83 @@ def _state_id(state: Path) -> str:
     return value
 
 
-def leadership_for(settings: Settings, store: Store, clock: Clock) -> Leadership:
-    """This process's candidacy for the store's lease (config `control:`, docs/architecture.md §4.4)."""
+def leadership_for(
+    settings: Settings, store: Store, clock: Clock, *, on_lost: Callable[[str], None] | None = None
+) -> Leadership:
+    """This process's candidacy for the store's lease (config `control:`, docs/architecture.md §4.4);
+    with `control.lease_backend: kubernetes` behind a Kubernetes Lease (`on_lost`: it was lost)."""
     host = socket.gethostname() or "localhost"
     seat = seat_of(host, _state_id(Path(settings.state_dir)))
     pid = os.getpid()
     candidate = LeaseCandidate(holder_name(seat, pid, secrets.token_hex(3)), seat, host, pid)
+    leases: LeasePort = store
+    if settings.control.lease_backend == "kubernetes":
+        leases = _kubernetes_leases(settings, store, clock, candidate.holder, on_lost)
     return Leadership(
-        store,
+        leases,
         candidate,
         LeaseTiming(settings.control.lease_ttl, settings.control.lease_renew),
         wall=clock.wall,
         monotonic=time.monotonic,
-        foreign_grace_s=settings.control.foreign_takeover_grace,
+        # Argo's workflows are cluster-wide: a leader on another host adopts them at once.
+        foreign_grace_s=0.0 if settings.executor.kind == "argo" else settings.control.foreign_takeover_grace,
     )
+
+
+def _kubernetes_leases(
+    settings: Settings, store: Store, clock: Clock, identity: str, on_lost: Callable[[str], None] | None
+) -> LeasePort:
+    """The store's lease behind the coordination.k8s.io Lease `control.kubernetes_lease` (client
+    from the pod's ServiceAccount or KUBECONFIG): duration `lease_ttl` rounded up, renew deadline
+    the leadership's acting deadline (80 % of the ttl), retried every `lease_renew`."""
+    from lowtide.adapters import k8s_lease  # noqa: PLC0415 (the kubernetes client only in this mode)
+
+    control = settings.control
+    try:
+        api = k8s_lease.coordination_api()
+        namespace = control.kubernetes_lease.namespace or k8s_lease.default_namespace()
+    except k8s_lease.KubeLeaseError as exc:
+        raise ServeError(str(exc)) from exc
+    elector = k8s_lease.KubeLeaseElector(
+        api,
+        namespace=namespace,
+        name=control.kubernetes_lease.name,
+        identity=identity,
+        duration_s=math.ceil(control.lease_ttl),
+        renew_deadline_s=control.lease_ttl * (1 - MARGIN_SHARE),
+        request_timeout_s=control.lease_renew,
+        on_lost=on_lost,
+    )
+    return k8s_lease.KubeGatedLeases(
+        store, elector, monotonic=time.monotonic, wall=lambda: datetime.fromtimestamp(clock.wall(), UTC)
+    )
+
+
+def _lease_start_problem(leadership: Leadership) -> str | None:
+    """A first claim the Kubernetes API refused for good (credentials, RBAC): `lowtide up` fails."""
+    error = getattr(leadership.store, "last_error", None)
+    if error is not None and getattr(error, "permanent", False):
+        return f"control.lease_backend is kubernetes, but {error}"
+    return None
+
+
+class LeaseLost(ServeError):
+    """`control.lease_backend: kubernetes` and this control plane lost the Lease: `lowtide up`
+    stops (its loop first) and exits with code 1, so that its pod restarts as a fresh standby
+    (docs/architecture.md §4.4)."""
+
+
+class _ExitOnLoss:
+    """Turns a lost Kubernetes Lease (from the lease thread) into the end of `serve`."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self.server: uvicorn.Server | None = None
+
+    def lost(self, reason: str) -> None:
+        self.reason = reason
+        if self.server is not None:
+            self.server.should_exit = True
 
 
 class _Roles:
@@ -748,7 +942,7 @@ class _Roles:
             return  # `Embedded.close` lets go of the processes
         self.lt.executor.close()  # stop watching; the next leader adopts them
         manager = self.lt.inference.manager if self.lt.inference is not None else None
-        if isinstance(manager, LocalServiceManager):
+        if isinstance(manager, ForgetsReplicas):
             manager.forget()
         if self.gateways is not None:  # it keeps serving on its last table; a leader adopts it
             self.gateways.close()
@@ -795,12 +989,25 @@ def serve(
         if created and announce:
             log.warning("created an admin token in %s (mode 0600)", settings.admin_token_path)
     # One active control plane (docs/architecture.md §4.4): act only while holding the lease.
-    leadership = leadership_for(settings, lt.store, lt.clock)
+    exit_on_loss = _ExitOnLoss()
+    try:
+        leadership = leadership_for(settings, lt.store, lt.clock, on_lost=exit_on_loss.lost)
+    except ServeError:
+        lt.close()
+        sock.close()
+        lock.close()
+        raise
     lt.leadership = lt.loop.lease = leadership
     if lt.inference is not None:
         lt.inference.lease = leadership
     roles = _Roles(settings, lt, announce=announce)
     first = leadership.claim_once()
+    problem = _lease_start_problem(leadership)
+    if problem is not None:
+        lt.close()
+        sock.close()
+        lock.close()
+        raise ServeError(problem)
     if first is not None:
         try:
             roles.elected(first)  # a taken gateway port fails the start, as before
@@ -832,6 +1039,9 @@ def serve(
     )
     clock_thread.start()
     server = _GracefulServer(uvicorn.Config(lt.app, log_level="warning"))
+    exit_on_loss.server = server
+    if exit_on_loss.reason is not None:
+        server.should_exit = True
     if on_listening is not None:
         listening = settings
         server.on_started = lambda: on_listening(listening)
@@ -857,3 +1067,5 @@ def serve(
         lt.close()
         sock.close()
         lock.close()
+    if exit_on_loss.reason is not None:
+        raise LeaseLost(f"lost the Kubernetes Lease ({exit_on_loss.reason}); exiting to restart as a standby")

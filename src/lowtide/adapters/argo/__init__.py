@@ -6,7 +6,8 @@
   and an evaluator of it, for fakes of Argo's controller in tests.
 - `node_status`: an Argo node (phase, message, exit code) mapped to a lowtide outcome, and a
   Retry node's children mapped to the list of attempts.
-- `pods`, `k8s_errors`: pure readings of pods and Argo names, and API errors classified.
+- `pods`, `k8s_errors`, `exits`: pure readings of pods and Argo names, API errors classified,
+  and a node's outcome as the executor port's exit.
 
 The one module here that talks to Kubernetes is `executor` (`ArgoExecutor`, the executor port
 at runtime: submission, the admission patch, exits from Argo's nodes; docs/cluster.md "The Argo

@@ -1,0 +1,715 @@
+"""The executor port over Kubernetes and Argo Workflows: one Workflow per job, one gated pod per attempt.
+
+Role: `ArgoExecutor` carries out the loop's orders in a cluster (docs/cluster.md "Jobs as Argo
+Workflows" and "The Argo executor at runtime"), with the real `kubernetes` client (36.x):
+`CustomObjectsApi` for Workflows, `CoreV1Api` for pods.
+Neighbours: `workflow.compile_workflow` builds the Workflow (the executor is given a
+`workflows(job_id)` callable by `wiring`), `node_status.classify_node` reads Argo's node, `pods`
+reads pods, `k8s_errors` classifies API errors; the loop (`control.loop`) decides everything.
+Must not: decide retries or step states, touch the store, or read the clock (`now` comes in).
+
+Mechanism:
+- **Submission**: the first launch of a job creates its Workflow, named after the job id. A 409
+  AlreadyExists means an earlier try (or process) created it: it is read and reused, never
+  submitted twice. Workflows known to exist are remembered per process.
+- **Admission**: Argo creates each ready step's pod with the gate `lowtide.io/admission`
+  (the template's `podSpecPatch`). `launch` finds the step's gated pod by the labels
+  `lowtide.io/job` and `lowtide.io/step` (a gated pod not being deleted is not admitted yet, so
+  it belongs to no earlier attempt) and admits it with one strategic merge patch that sets
+  `nodeSelector: {kubernetes.io/hostname: <node>}` and deletes the gate. Right after the
+  Workflow is created, or before Argo has made the retry's pod, there is no pod yet: `launch`
+  returns a PENDING handle and a later `poll` admits the pod when it appears. A CPU-only step's
+  pod is not gated (it runs as soon as Argo makes it): `launch` only claims it.
+- **Handles**: `<namespace>/<pod name>/<pod uid>`; `<namespace>/@<job id>/<step label>` while no
+  pod is claimed yet (the store keeps the handle of the launch; a restart resolves it again
+  by labels). The uid makes a re-created pod of the same name a different attempt.
+- **Running and exits**: each `poll` lists this installation's pods (label `lowtide.io/job`,
+  one LIST per poll; the list's resourceVersion is kept for a later watch). A pod phase
+  Running is the start (`PollReport.started`). A finished pod's exit is read from its Argo node
+  (`workflows.argoproj.io/node-id`) once Argo has recorded it, because only the node has the
+  shim's result marker: `classify_node` gives the outcome, `exits.attempt_exit` the exit.
+  A pending pod whose image cannot be pulled past `image_pull_bound_s` (at once for
+  `InvalidImageName`), or that no node takes past `unschedulable_bound_s`, is deleted and
+  reported as IMAGE_PULL or UNSCHEDULABLE; Argo keeps the node Pending and makes the pod
+  again for the next attempt (argo-workflows v4.1.2 operator.go `podReconciliation`: a pending
+  node whose pod is missing is re-submitted).
+- **Notice**: `notify_stop` deletes the running pod with a `preconditions.uid` and
+  `gracePeriodSeconds` = deadline − now **plus `grace_margin_seconds`** (at least 1): the kubelet
+  sends SIGTERM at once and SIGKILL after the delete's grace (a delete's grace overrides the
+  pod's `terminationGracePeriodSeconds`, and an unscheduled pod is deleted at once whatever the
+  grace: kubernetes pkg/registry/core/pod/strategy.go `CheckGracefulDelete`, commit 008b3652).
+  The shim gives the step `LOWTIDE_GRACE_SECONDS` (until the deadline), SIGKILLs it and exits
+  75 (docs/cluster.md "The step shim in the image"); with a grace of exactly deadline − now the
+  kubelet would kill the shim at the same moment, the container would exit 137, and Argo's
+  retry expression would not see the interrupted code. This is why
+  the compiled pods carry grace + margin too. A pod not running yet is deleted at once
+  (grace 0) and the attempt reported withdrawn (DELETED, no code). Past the deadline plus the
+  margin plus `kill_margin_s` a pod still there is deleted with grace 0 (the kill). A failed
+  delete is retried at the next poll (and after a restart, for an attempt that had notice).
+- **Cancel** of a whole job: `stop_workflow(job_id)` patches `spec.shutdown: Stop`
+  (workflow_types.go `ShutdownStrategyStop`; exec_control.go `applyExecutionControl`: Argo
+  deletes pending pods, sends running ones SIGTERM, fails their nodes with `workflow shutdown
+  with strategy:  Stop` and starts nothing new). Without it a pod stopped by notice exits 75 and
+  Argo's retry expression makes a new gated pod, which waits.
+
+Exit mapping: `exits.attempt_exit` (its docstring has the table). A job's Workflow deleted under
+it → DELETED; a Workflow over while an attempt waits for its pod → a failure of the step.
+
+API errors (`k8s_errors.classify`): 409/410/429/5xx and no answer are temporary — a launch
+raises `ExecutorError(temporary=True, infrastructure="kubernetes")`, a poll keeps what it knew
+and tries again next time; 403 is permanent and names the missing RBAC rule; 422 is the step's
+fault with the API's message.
+
+Why list per poll, not watch: a poll is once per tick (seconds) and lists one label-selected
+namespace; a LIST is consistent and needs no reconnect/410 handling. A watch from the kept
+resourceVersion is the later optimisation for large installations.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client
+
+from lowtide.adapters.argo import k8s_errors, pods
+from lowtide.adapters.argo.exits import attempt_exit
+from lowtide.adapters.argo.node_status import NodeOutcome, classify_node
+from lowtide.adapters.argo.workflow import (
+    LABEL_JOB,
+    LABEL_STEP,
+    ArgoSettings,
+    CompiledWorkflow,
+    dns_label,
+)
+from lowtide.control.executor_port import (
+    AdoptOutcome,
+    AdoptRequest,
+    AdoptResult,
+    AttemptExit,
+    AttemptHandle,
+    AttemptStarted,
+    ExecutorError,
+    ExitReason,
+    LaunchRequest,
+    PollReport,
+)
+
+__all__ = ["ArgoExecutor", "parse_ref"]
+
+log = logging.getLogger(__name__)
+
+GROUP, VERSION, PLURAL = "argoproj.io", "v1alpha1", "workflows"
+_STRATEGIC = "application/strategic-merge-patch+json"
+_TERMINAL_WF = frozenset({"Succeeded", "Failed", "Error"})
+
+Obj = dict[str, Any]
+
+
+@dataclass
+class _Attempt:
+    """What the executor knows of one attempt it launched or adopted."""
+
+    attempt_id: int
+    job_id: str
+    step_label: str
+    node: str
+    started_at: float
+    pod: str | None = None
+    uid: str | None = None
+    node_id: str | None = None
+    running: bool = False
+    deadline: float | None = None
+    deleted: bool = False  # lowtide deleted its pod (notice or withdrawal)
+    delete_due: float | None = None  # a grace delete to (re)send: its deadline
+    killed: bool = False
+    pull_since: float | None = None
+    unsched_since: float | None = None
+
+
+def parse_ref(ref: str) -> tuple[str, str, str]:
+    """(namespace, pod name or "@job", uid or step label) of a handle's ref; ValueError if not ours."""
+    parts = ref.split("/")
+    if len(parts) != 3 or not all(parts):
+        raise ValueError(f"not an Argo executor handle: {ref!r}")
+    return parts[0], parts[1], parts[2]
+
+
+class ArgoExecutor:
+    """The executor port over Kubernetes pods of Argo Workflows (module docstring)."""
+
+    def __init__(
+        self,
+        api_client: Any,
+        settings: ArgoSettings,
+        workflows: Callable[[str], CompiledWorkflow],
+        *,
+        image_pull_bound_s: float = 300.0,
+        unschedulable_bound_s: float = 600.0,
+        kill_margin_s: float = 15.0,
+        request_timeout_s: float = 10.0,
+    ) -> None:
+        """`workflows(job_id)` compiles a job's Workflow (wiring reads the job from the store);
+        it may raise ArgoCompileError (a permanent launch failure of the step)."""
+        self._client = api_client
+        self._core = client.CoreV1Api(api_client)
+        self._custom = client.CustomObjectsApi(api_client)
+        self._settings = settings
+        self._ns = settings.namespace
+        self._workflows = workflows
+        self._image_bound = image_pull_bound_s
+        self._unsched_bound = unschedulable_bound_s
+        self._kill_margin = kill_margin_s
+        self._timeout = request_timeout_s
+        self._attempts: dict[int, _Attempt] = {}
+        self._unacked: dict[int, AttemptExit] = {}
+        self._submitted: set[str] = set()
+        #: The resourceVersion of the last pod list (for a later watch).
+        self.pods_resource_version: str | None = None
+
+    # -- API calls -------------------------------------------------------------------------------
+
+    def _error(self, exc: BaseException, verb: str, resource: str) -> ExecutorError:
+        return k8s_errors.classify(exc, verb=verb, resource=resource, namespace=self._ns)
+
+    def _list_pods(self, selector: str) -> list[Obj]:
+        result = self._core.list_namespaced_pod(
+            self._ns, label_selector=selector, _request_timeout=self._timeout, _preload_content=False
+        )
+        doc = _json(result)
+        self.pods_resource_version = (doc.get("metadata") or {}).get("resourceVersion")
+        return [p for p in doc.get("items") or [] if isinstance(p, dict)]
+
+    def _get_workflow(self, name: str) -> Obj | None:
+        try:
+            wf = self._custom.get_namespaced_custom_object(
+                GROUP, VERSION, self._ns, PLURAL, name, _request_timeout=self._timeout
+            )
+        except Exception as exc:
+            if k8s_errors.status_of(exc) == 404:
+                return None
+            raise
+        return wf if isinstance(wf, dict) else None
+
+    def _grace(self, deadline: float, now: float) -> int:
+        """The delete's grace: until the deadline plus the margin (at least 1 s; see the module
+        docstring, "Notice")."""
+        return max(1, math.ceil(deadline - now + self._settings.grace_margin_seconds))
+
+    def _delete_pod(self, t: _Attempt, grace: int) -> bool:
+        """Delete `t`'s pod (uid precondition). True when done or nothing is left to delete."""
+        assert t.pod is not None and t.uid is not None
+        body = client.V1DeleteOptions(
+            grace_period_seconds=grace, preconditions=client.V1Preconditions(uid=t.uid)
+        )
+        try:
+            self._core.delete_namespaced_pod(
+                t.pod, self._ns, body=body, _request_timeout=self._timeout, _preload_content=False
+            )
+        except Exception as exc:
+            status = k8s_errors.status_of(exc)
+            if status in (404, 409):  # gone, or the name is another pod's now (uid precondition)
+                return True
+            err = self._error(exc, "delete", "pods")
+            log.warning("attempt %s: deleting pod %s failed: %s", t.attempt_id, t.pod, err)
+            if not err.temporary:
+                raise err from exc
+            return False
+        return True
+
+    # -- submission and admission -------------------------------------------------------------
+
+    def _ensure_workflow(self, job_id: str) -> None:
+        if job_id in self._submitted:
+            return
+        compiled = self._workflows(job_id)
+        try:
+            self._custom.create_namespaced_custom_object(
+                GROUP, VERSION, self._ns, PLURAL, compiled.manifest, _request_timeout=self._timeout
+            )
+        except Exception as exc:
+            if k8s_errors.status_of(exc) != 409:
+                raise self._error(exc, "create", "workflows") from exc
+            try:  # 409: AlreadyExists (an earlier try or process) or a conflict: read it back
+                found = self._get_workflow(compiled.name)
+            except Exception as exc2:
+                raise self._error(exc2, "get", "workflows") from exc2
+            if found is None:
+                raise ExecutorError(
+                    f"workflow {compiled.name}: create answered 409 but it cannot be read; will try again",
+                    temporary=True,
+                    infrastructure=k8s_errors.INFRASTRUCTURE,
+                ) from exc
+            labels = (found.get("metadata") or {}).get("labels") or {}
+            if labels.get(LABEL_JOB) != job_id:
+                raise ExecutorError(
+                    f"workflow {self._ns}/{compiled.name} exists but is not lowtide's job {job_id} "
+                    f"(label {LABEL_JOB}={labels.get(LABEL_JOB)!r})",
+                    temporary=False,
+                    infrastructure=k8s_errors.INFRASTRUCTURE,
+                ) from exc
+        self._submitted.add(job_id)
+
+    def _claimed_uids(self) -> set[str]:
+        return {t.uid for t in self._attempts.values() if t.uid is not None}
+
+    def _claimable(self, t: _Attempt, candidates: list[Obj]) -> Obj | None:
+        """The step's pod this attempt may take: gated (or, for a CPU-only step, not admitted by
+        anyone and not finished), not being deleted, not another attempt's; the newest first."""
+        claimed = self._claimed_uids()
+        mine = [
+            p
+            for p in candidates
+            if (p.get("metadata") or {}).get("labels", {}).get(LABEL_JOB) == t.job_id
+            and (p.get("metadata") or {}).get("labels", {}).get(LABEL_STEP) == t.step_label
+            and not pods.is_deleting(p)
+            and p["metadata"].get("uid") not in claimed
+        ]
+        gated = [p for p in mine if pods.is_gated(p)]
+        if gated:
+            return max(gated, key=_created)
+        ungated = [
+            p
+            for p in mine
+            if pods.pod_phase(p) in ("Pending", "Running")
+            and not (p.get("spec") or {}).get("nodeSelector", {}).get(pods.HOSTNAME_LABEL)
+            and not (p.get("spec") or {}).get("schedulingGates")
+        ]
+        return max(ungated, key=_created) if ungated else None
+
+    def _admit(self, t: _Attempt, pod: Obj) -> None:
+        """Claim `pod` for `t`, admitting it (one patch) when it is gated. Raises ExecutorError."""
+        meta = pod["metadata"]
+        if pods.is_gated(pod):
+            try:
+                self._core.patch_namespaced_pod(
+                    meta["name"],
+                    self._ns,
+                    pods.admission_patch(t.node),
+                    _content_type=_STRATEGIC,
+                    _request_timeout=self._timeout,
+                    _preload_content=False,
+                )
+            except Exception as exc:
+                raise self._error(exc, "patch", "pods") from exc
+        t.pod, t.uid, t.node_id = meta["name"], meta["uid"], pods.pod_node_id(pod)
+        log.info("attempt %s: admitted pod %s/%s on %s", t.attempt_id, self._ns, t.pod, t.node)
+
+    def _try_admit(self, t: _Attempt, candidates: list[Obj], now: float) -> None:
+        pod = self._claimable(t, candidates)
+        if pod is None:
+            return
+        try:
+            self._admit(t, pod)
+        except ExecutorError as exc:
+            if exc.temporary:
+                log.info("attempt %s: admission deferred: %s", t.attempt_id, exc)
+            elif exc.infrastructure is not None:
+                infra = f"{exc.infrastructure}: {exc}"
+                self._exit(
+                    t, AttemptExit(t.attempt_id, None, None, now, infrastructure=infra, detail=str(exc))
+                )
+            else:  # the API refused the step's pod (422): the step's failure
+                self._exit(
+                    t, AttemptExit(t.attempt_id, None, None, now, reason=ExitReason.EXITED, detail=str(exc))
+                )
+
+    def _handle(self, t: _Attempt) -> AttemptHandle:
+        if t.pod is not None and t.uid is not None:
+            ref = f"{self._ns}/{t.pod}/{t.uid}"
+        else:
+            ref = f"{self._ns}/@{t.job_id}/{t.step_label}"
+        return AttemptHandle(ref, t.started_at, None)
+
+    # -- the port ------------------------------------------------------------------------------
+
+    def launch(self, request: LaunchRequest, now: float) -> AttemptHandle:
+        try:
+            self._ensure_workflow(request.job_id)
+        except ExecutorError:
+            raise
+        except ValueError as exc:  # ArgoCompileError: the job cannot become a Workflow
+            raise ExecutorError(f"cannot compile job {request.job_id}: {exc}", temporary=False) from exc
+        t = _Attempt(request.attempt_id, request.job_id, dns_label(request.step), request.node, now)
+        self._attempts[request.attempt_id] = t
+        try:
+            candidates = self._list_pods(f"{LABEL_JOB}={t.job_id},{LABEL_STEP}={t.step_label}")
+        except Exception as exc:
+            err = self._error(exc, "list", "pods")
+            if not err.temporary:
+                del self._attempts[request.attempt_id]
+                raise err from exc
+            log.info("attempt %s: pods not listed (%s); admission at a later poll", t.attempt_id, err)
+            return self._handle(t)
+        pod = self._claimable(t, candidates)
+        if pod is not None:
+            try:
+                self._admit(t, pod)
+            except ExecutorError as exc:
+                if not exc.temporary:
+                    del self._attempts[request.attempt_id]
+                    raise
+                log.info("attempt %s: admission deferred: %s", t.attempt_id, exc)
+        return self._handle(t)
+
+    def notify_stop(self, attempt_id: int, deadline: float, now: float) -> None:
+        if attempt_id in self._unacked:
+            return
+        t = self._attempts.get(attempt_id)
+        if t is None or t.deadline is not None:
+            return
+        t.deadline = deadline
+        if not t.running:  # not running yet: withdrawn at once
+            if t.uid is not None and not self._delete_pod(t, 0):
+                t.delete_due = now  # retried at the next poll; the exit is reported now
+            t.deleted = True
+            self._exit(
+                t,
+                AttemptExit(
+                    attempt_id, None, None, now, reason=ExitReason.DELETED, detail="withdrawn while pending"
+                ),
+            )
+            return
+        t.deleted = True
+        t.delete_due = deadline
+        if self._delete_pod(t, self._grace(deadline, now)):
+            t.delete_due = None
+
+    def poll(self, now: float) -> PollReport:
+        started: list[AttemptStarted] = []
+        live = [t for t in self._attempts.values() if t.attempt_id not in self._unacked]
+        if live:
+            try:
+                self._observe(live, now, started)
+            except Exception as exc:
+                err = exc if isinstance(exc, ExecutorError) else self._error(exc, "list", "pods")
+                if not err.temporary:
+                    raise err from exc
+                log.warning("Argo executor poll: %s", err)
+        return PollReport(exits=tuple(self._unacked.values()), started=tuple(started))
+
+    def _observe(self, live: list[_Attempt], now: float, started: list[AttemptStarted]) -> None:
+        all_pods = self._list_pods(LABEL_JOB)
+        by_uid = {p["metadata"]["uid"]: p for p in all_pods}
+        workflows: dict[str, Obj | None] = {}
+
+        def workflow(job_id: str) -> Obj | None:
+            if job_id not in workflows:
+                workflows[job_id] = self._get_workflow(job_id)
+            return workflows[job_id]
+
+        for t in live:
+            if t.uid is None:
+                self._try_admit(t, all_pods, now)
+                if t.uid is None:
+                    self._check_not_abandoned(t, workflow(t.job_id), now)
+                    continue
+            if t.delete_due is not None and self._delete_pod(t, self._grace(t.delete_due, now)):
+                t.delete_due = None
+            pod = by_uid.get(t.uid)
+            if pod is not None:
+                self._observe_pod(t, pod, now, started)
+            if t.attempt_id in self._unacked:
+                continue
+            if pod is None or pods.pod_phase(pod) in ("Succeeded", "Failed"):
+                self._observe_node(t, workflow(t.job_id), pod is None, now)
+
+    def _observe_pod(self, t: _Attempt, pod: Obj, now: float, started: list[AttemptStarted]) -> None:
+        phase = pods.pod_phase(pod)
+        if t.node_id is None:
+            t.node_id = pods.pod_node_id(pod)
+        if phase == "Running" and not t.running:
+            t.running = True
+            started.append(AttemptStarted(t.attempt_id, now))
+        overdue = (
+            t.deadline is not None
+            and now >= t.deadline + self._settings.grace_margin_seconds + self._kill_margin
+        )
+        if overdue and not t.killed and phase in ("Pending", "Running"):
+            self._kill(t)
+        if phase != "Pending" or pods.is_deleting(pod):
+            return
+        image = pods.image_problem(pod)
+        if image is not None:
+            t.pull_since = now if t.pull_since is None else t.pull_since
+            if image[0] in pods.IMAGE_FINAL or now - t.pull_since >= self._image_bound:
+                self._give_up(t, now, ExitReason.IMAGE_PULL, image[1])
+            return
+        t.pull_since = None
+        problem = pods.unschedulable(pod)
+        if problem is not None:
+            t.unsched_since = now if t.unsched_since is None else t.unsched_since
+            if now - t.unsched_since >= self._unsched_bound:
+                self._give_up(t, now, ExitReason.UNSCHEDULABLE, problem)
+            return
+        t.unsched_since = None
+
+    def _give_up(self, t: _Attempt, now: float, reason: ExitReason, detail: str) -> None:
+        """A pending pod that will not start: delete it (Argo makes it again) and report."""
+        if self._delete_pod(t, 0):
+            t.deleted = True
+            self._exit(t, AttemptExit(t.attempt_id, None, None, now, reason=reason, detail=detail))
+
+    def _kill(self, t: _Attempt) -> None:
+        if self._delete_pod(t, 0):
+            t.killed = True
+
+    def _check_not_abandoned(self, t: _Attempt, wf: Obj | None, now: float) -> None:
+        """An attempt waiting for its pod whose Workflow is gone or over will never get one."""
+        if wf is None:
+            if t.job_id in self._submitted:
+                detail = f"workflow {self._ns}/{t.job_id} was deleted"
+                self._exit(
+                    t, AttemptExit(t.attempt_id, None, None, now, reason=ExitReason.DELETED, detail=detail)
+                )
+            return
+        phase = (wf.get("status") or {}).get("phase")
+        if phase in _TERMINAL_WF:
+            # Argo's retry expression said no more (its `retries` counts preemptions too, docs/
+            # cluster.md "Known limits"), or the Workflow was stopped: the step cannot run again
+            # in it. A failure of the step (it uses a retry), so the job ends rather than waits.
+            message = (wf.get("status") or {}).get("message") or ""
+            detail = f"workflow {self._ns}/{t.job_id} is {phase} ({message}): Argo runs no more pods for it"
+            self._exit(t, AttemptExit(t.attempt_id, None, None, now, reason=ExitReason.EXITED, detail=detail))
+
+    def _observe_node(self, t: _Attempt, wf: Obj | None, pod_gone: bool, now: float) -> None:
+        if wf is None:
+            if pod_gone:
+                detail = f"workflow {self._ns}/{t.job_id} and its pod were deleted"
+                self._exit(
+                    t, AttemptExit(t.attempt_id, None, None, now, reason=ExitReason.DELETED, detail=detail)
+                )
+            return
+        nodes = (wf.get("status") or {}).get("nodes") or {}
+        node = nodes.get(t.node_id) if t.node_id else None
+        if not isinstance(node, Mapping):
+            return  # Argo has not recorded it yet
+        outcome = classify_node(node, interrupted_exit_code=self._settings.interrupted_exit_code)
+        if outcome.terminal:
+            self._exit(t, self._to_exit(t, outcome, now))
+
+    def _to_exit(self, t: _Attempt, o: NodeOutcome, now: float) -> AttemptExit:
+        return attempt_exit(
+            t.attempt_id, o, noticed=t.deadline is not None, deleted=t.deleted, killed=t.killed, now=now
+        )
+
+    def _exit(self, t: _Attempt, ex: AttemptExit) -> None:
+        self._unacked[t.attempt_id] = ex
+
+    def ack_exit(self, attempt_id: int) -> None:
+        if self._unacked.pop(attempt_id, None) is not None:
+            self._attempts.pop(attempt_id, None)
+
+    def end_job(self, job_id: str, now: float) -> None:
+        """The job will start nothing more: stop its Workflow (`spec.shutdown: Stop`), so that
+        Argo's retry strategy creates no new pod for it (a missing Workflow: nothing to stop)."""
+        self.stop_workflow(job_id)
+
+    def adopt(self, request: AdoptRequest, now: float) -> AdoptResult:
+        handle = request.handle
+        if handle is None:
+            return AdoptResult(AdoptOutcome.LOST)
+        try:
+            ns, name, key = parse_ref(handle.ref)
+        except ValueError:
+            return AdoptResult(AdoptOutcome.LOST)
+        if ns != self._ns:
+            return AdoptResult(AdoptOutcome.LOST)
+        try:
+            if name.startswith("@"):
+                return self._adopt_unclaimed(request, handle, name[1:], key, now)
+            return self._adopt_pod(request, handle, name, key, now)
+        except ExecutorError:
+            raise
+        except Exception as exc:
+            raise self._error(exc, "get", "pods") from exc
+
+    def _adopt_pod(
+        self, request: AdoptRequest, handle: AttemptHandle, name: str, uid: str, now: float
+    ) -> AdoptResult:
+        try:
+            pod: Obj | None = _json(
+                self._core.read_namespaced_pod(
+                    name, self._ns, _request_timeout=self._timeout, _preload_content=False
+                )
+            )
+        except Exception as exc:
+            if k8s_errors.status_of(exc) != 404:
+                raise
+            pod = None
+        if pod is not None and pod["metadata"].get("uid") == uid:
+            labels = pod["metadata"].get("labels") or {}
+            t = _Attempt(
+                request.attempt_id,
+                str(labels.get(LABEL_JOB, "")),
+                str(labels.get(LABEL_STEP, "")),
+                "",
+                handle.started_at,
+                pod=name,
+                uid=uid,
+                node_id=pods.pod_node_id(pod),
+                running=handle.running_at is not None,
+                deadline=request.stop_deadline,
+                deleted=request.stop_deadline is not None,
+            )
+            if request.stop_deadline is not None and not pods.is_deleting(pod):
+                t.delete_due = request.stop_deadline  # notice given, its delete not seen: sent again
+            self._attempts[t.attempt_id] = t
+            self._submitted.add(t.job_id)
+            return AdoptResult(AdoptOutcome.ADOPTED)
+        # The pod is gone: its node in the job's Workflow may have recorded how it ended.
+        found = self._node_of_pod(name)
+        if found is None:
+            return AdoptResult(AdoptOutcome.LOST)
+        job_id, node = found
+        outcome = classify_node(node, interrupted_exit_code=self._settings.interrupted_exit_code)
+        if not outcome.terminal:
+            return AdoptResult(AdoptOutcome.LOST)
+        t = _Attempt(
+            request.attempt_id,
+            job_id,
+            "",
+            "",
+            handle.started_at,
+            pod=name,
+            uid=uid,
+            running=True,
+            deadline=request.stop_deadline,
+            deleted=request.stop_deadline is not None,
+        )
+        return AdoptResult(AdoptOutcome.EXITED, exit=self._to_exit(t, outcome, now))
+
+    def _node_of_pod(self, pod_name: str) -> tuple[str, Mapping[str, Any]] | None:
+        listed = self._custom.list_namespaced_custom_object(
+            GROUP, VERSION, self._ns, PLURAL, label_selector=LABEL_JOB, _request_timeout=self._timeout
+        )
+        for wf in listed.get("items") or []:
+            wf_name = str((wf.get("metadata") or {}).get("name", ""))
+            for node_id, node in ((wf.get("status") or {}).get("nodes") or {}).items():
+                if not isinstance(node, Mapping) or node.get("type") != "Pod":
+                    continue
+                names = {
+                    node_id,
+                    pods.argo_pod_name(wf_name, str(node.get("name", "")), str(node.get("templateName", ""))),
+                }
+                if pod_name in names:
+                    return str((wf.get("metadata") or {}).get("labels", {}).get(LABEL_JOB, wf_name)), node
+        return None
+
+    def _adopt_unclaimed(
+        self, request: AdoptRequest, handle: AttemptHandle, job_id: str, step_label: str, now: float
+    ) -> AdoptResult:
+        """A handle recorded before a pod was claimed: the step's pod this process or the last one
+        admitted (not gated, not finished, not someone else's), or its gated pod, or none yet."""
+        candidates = self._list_pods(f"{LABEL_JOB}={job_id},{LABEL_STEP}={step_label}")
+        claimed = self._claimed_uids()
+        t = _Attempt(
+            request.attempt_id,
+            job_id,
+            step_label,
+            "",
+            handle.started_at,
+            deadline=request.stop_deadline,
+            deleted=request.stop_deadline is not None,
+        )
+        admitted = [
+            p
+            for p in candidates
+            if not pods.is_gated(p)
+            and not pods.is_deleting(p)
+            and pods.pod_phase(p) in ("Pending", "Running")
+            and p["metadata"].get("uid") not in claimed
+        ]
+        if admitted:
+            pod = max(admitted, key=_created)
+            t.pod, t.uid, t.node_id = pod["metadata"]["name"], pod["metadata"]["uid"], pods.pod_node_id(pod)
+            t.node = str(((pod.get("spec") or {}).get("nodeSelector") or {}).get(pods.HOSTNAME_LABEL, ""))
+        self._attempts[t.attempt_id] = t
+        self._submitted.add(job_id)
+        if t.uid is None:
+            # Nothing admitted: it may still be admitted (its node is in the store, not here).
+            log.warning("attempt %s: no admitted pod found; it is withdrawn", request.attempt_id)
+            del self._attempts[t.attempt_id]
+            return AdoptResult(AdoptOutcome.LOST)
+        return AdoptResult(AdoptOutcome.ADOPTED, handle=self._handle(t))
+
+    def reap_orphans(self, known_attempt_ids: set[int]) -> list[int]:
+        """Delete this installation's pods that lowtide admitted (pinned to a node), unfinished, that
+        no known attempt holds; a gated pod waits for admission and is nobody's orphan, nor is a
+        CPU-only pod (Argo runs it before lowtide launches its attempt). Pods carry no lowtide
+        attempt id, so the list returned is always empty; the deleted pods are logged."""
+        for attempt_id in [
+            a for a in self._attempts if a not in known_attempt_ids and a not in self._unacked
+        ]:
+            del self._attempts[attempt_id]
+        try:
+            listed = self._list_pods(LABEL_JOB)
+        except Exception as exc:
+            log.warning("orphaned pods not reaped: %s", self._error(exc, "list", "pods"))
+            return []
+        claimed = self._claimed_uids()
+        for pod in listed:
+            meta = pod["metadata"]
+            admitted = ((pod.get("spec") or {}).get("nodeSelector") or {}).get(pods.HOSTNAME_LABEL)
+            if (
+                not admitted  # gated, or a CPU-only pod Argo runs before lowtide launches its attempt
+                or pods.is_gated(pod)
+                or pods.is_deleting(pod)
+                or pods.pod_phase(pod) not in ("Pending", "Running")
+                or meta.get("uid") in claimed
+            ):
+                continue
+            body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=meta["uid"]))
+            try:
+                self._core.delete_namespaced_pod(
+                    meta["name"], self._ns, body=body, _request_timeout=self._timeout, _preload_content=False
+                )
+                log.warning(
+                    "deleted orphaned pod %s/%s (no attempt of this lowtide holds it)", self._ns, meta["name"]
+                )
+            except Exception as exc:
+                log.warning(
+                    "orphaned pod %s not deleted: %s", meta["name"], self._error(exc, "delete", "pods")
+                )
+        return []
+
+    def stop_workflow(self, job_id: str) -> bool:
+        """Cancel a whole job in Argo: `spec.shutdown: Stop` (Argo deletes its pods and starts no
+        more). False when there is no such Workflow. Raises ExecutorError."""
+        try:
+            self._custom.patch_namespaced_custom_object(
+                GROUP,
+                VERSION,
+                self._ns,
+                PLURAL,
+                job_id,
+                {"spec": {"shutdown": "Stop"}},
+                _request_timeout=self._timeout,
+            )
+        except Exception as exc:
+            if k8s_errors.status_of(exc) == 404:
+                return False
+            raise self._error(exc, "patch", "workflows") from exc
+        return True
+
+    def close(self) -> None:
+        """Stop watching (pods keep running; a later control plane adopts them)."""
+        self._client.close()
+
+
+def _created(pod: Mapping[str, Any]) -> tuple[str, str]:
+    meta = pod.get("metadata") or {}
+    return str(meta.get("creationTimestamp", "")), str(meta.get("name", ""))
+
+
+def _json(response: Any) -> Obj:
+    import json  # noqa: PLC0415 - only here
+
+    data = response.data if hasattr(response, "data") else response
+    doc = json.loads(data) if isinstance(data, bytes | str) else data
+    if not isinstance(doc, dict):
+        raise ValueError("the API answered something that is not an object")
+    return doc
