@@ -80,7 +80,7 @@ def test_a_lease_lost_between_booking_and_launch_launches_nothing_and_costs_no_r
     report = h.tick(check=False)
     assert launched(h) == 0 and report.started == 0
     booked = h.last_attempt(job)
-    assert booked.state.value == "RUNNING" and booked.pid is None  # booked, never launched
+    assert booked.state.value == "PENDING" and booked.handle is None  # booked, never launched
     h.loop.lease = None
     h.restart()  # the next leader: the booking's process is not found, so it is requeued
     assert h.store.attempt(booked.id).state.value == "LOST"

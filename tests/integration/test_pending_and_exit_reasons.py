@@ -202,3 +202,26 @@ def test_a_retried_step_gets_its_whole_walltime_again(h: LoopHarness) -> None:
     executor(h).finish(second.id, 0)
     h.tick()
     assert h.step(job).state == StepState.SUCCEEDED
+
+
+def test_the_executor_hears_when_a_job_will_start_nothing_more(h: LoopHarness) -> None:
+    # A cluster executor stops the job's Workflow then, so that Argo's retries start no new pod.
+    def small(retries: int = 1) -> dict[str, Any]:
+        return {"name": "s", "max_retries": retries, "steps": [{"name": "t", "command": ["x"], "gpus": 1}]}
+
+    cancelled = h.submit(small())
+    failed = h.submit(small(retries=0))
+    done = h.submit(small())
+    h.tick()
+    atts = {job: h.last_attempt(job) for job in (cancelled, failed, done)}
+    for att in atts.values():
+        executor(h).start(att.id, h.clock.now())
+    h.tick()
+    assert executor(h).ended_jobs == []
+    h.store.request_cancel(cancelled, by="u", now=h.clock.now())
+    executor(h).finish(atts[failed].id, 1)
+    executor(h).finish(atts[done].id, 0)
+    h.tick()  # the cancel's notice; the other two end
+    h.tick()
+    assert h.store.job(failed).state.value == "FAILED" and h.store.job(done).state.value == "SUCCEEDED"
+    assert sorted(executor(h).ended_jobs) == sorted([cancelled, failed, done])  # each once

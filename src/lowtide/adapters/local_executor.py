@@ -474,6 +474,9 @@ class LocalExecutor:
     def ack_exit(self, attempt_id: int) -> None:
         self._exited.pop(attempt_id, None)
 
+    def end_job(self, job_id: str, now: float) -> None:
+        """Nothing is kept per job: a local attempt is its process, stopped by `notify_stop`."""
+
     def pending_exits(self) -> set[int]:
         """Attempt ids whose exit is reported but not yet acknowledged (diagnostics, tests)."""
         return set(self._exited)

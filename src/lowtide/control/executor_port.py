@@ -214,6 +214,13 @@ class Executor(Protocol):
         """The store has recorded this attempt's exit: stop reporting it (unknown ids: no-op)."""
         ...
 
+    def end_job(self, job_id: str, now: float) -> None:
+        """The job will start nothing more (cancelled, failed or finished): let go of what the
+        executor keeps for it (a cluster executor stops the job's Workflow, so that its own retry
+        machinery starts no new pod). Running attempts are stopped only by `notify_stop`.
+        Idempotent; raises ExecutorError (the loop tries again at the next tick)."""
+        ...
+
     def adopt(self, request: AdoptRequest, now: float) -> AdoptResult:
         """Re-attach to an attempt started by an earlier control-plane process."""
         ...

@@ -70,7 +70,7 @@ from lowtide.control.records import (
 from lowtide.control.secrets_port import SecretResolver
 from lowtide.domain.gpus import GpuRef, Node
 from lowtide.domain.layout import ArtifactLayout, is_remote, join_uri
-from lowtide.domain.states import AttemptState, StepState
+from lowtide.domain.states import TERMINAL_JOB_STATES, AttemptState, StepState
 from lowtide.policy import walltime
 from lowtide.policy.checkpoints import RESUME_CRASH_WINDOW_S
 from lowtide.policy.dag import JobView, advance
@@ -213,6 +213,8 @@ class ControlLoop:
         self._unrecorded_lost: dict[int, float] = {}
         #: Pending attempts the executor saw begin to run, not yet recorded (a store outage).
         self._unrecorded_started: dict[int, float] = {}
+        #: Jobs that will start nothing more whose end the executor has not taken yet (`end_job`).
+        self._jobs_to_end: set[str] = set()
         self._exit_failing: set[int] = set()  # exits whose recording failed (logged once)
         self._store_down_ticks = 0
         # Infrastructure launch failures: per step in a row (backoff), alerts and totals by kind.
@@ -345,11 +347,14 @@ class ControlLoop:
             try:
                 self._give_notice(due.attempt_id, due.grace_seconds, due.step_state, now)
                 report.notices += 1
+                if due.step_state == StepState.CANCELLING:
+                    self._jobs_to_end.add(due.job_id)
             except StoreUnavailable:  # notice was sent; the record is retried next tick
                 report.store_failed()
             except Exception:
                 report.errors += 1
                 log.exception("giving notice to attempt %s failed", due.attempt_id)
+        self._end_jobs(report, now)  # cancelled (noticed just now) or finished jobs
         # Notice to attempts past their walltime (not to those just given notice above).
         noticed = {due.attempt_id for due in dues}
         timeout_due = self._guard(
@@ -560,6 +565,22 @@ class ControlLoop:
             return False
         log.info("%s/%s attempt %s: %s", ctx.job_id, ctx.step, ctx.attempt_id, decision.message)
         return True
+
+    def _end_jobs(self, report: TickReport, now: float) -> None:
+        """Tell the executor about jobs that will start nothing more (kept until it took each)."""
+        for job_id in sorted(self._jobs_to_end):
+            if not self._acting():
+                return
+            try:
+                self.executor.end_job(job_id, now)
+            except ExecutorError as exc:
+                log.warning("ending job %s in the executor failed (%s); next tick retries", job_id, exc)
+                continue
+            except Exception:
+                report.errors += 1
+                log.exception("ending job %s in the executor failed; next tick retries", job_id)
+                continue
+            self._jobs_to_end.discard(job_id)
 
     def _give_notice(self, attempt_id: int, grace: float, step_state: StepState, now: float) -> None:
         reason = "job cancelled" if step_state == StepState.CANCELLING else "GPUs reclaimed"
@@ -781,6 +802,9 @@ class ControlLoop:
                 self.store.apply_dag(changes, now)
             except StaleState:
                 log.info("job %s moved while advancing its DAG; next tick retries", view.job_id)
+                continue
+            if changes.job is not None and changes.job.to_state in TERMINAL_JOB_STATES:
+                self._jobs_to_end.add(view.job_id)
 
     # -- act -----------------------------------------------------------------------------------
 

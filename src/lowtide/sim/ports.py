@@ -197,6 +197,9 @@ class SimExecutor:
     def ack_exit(self, attempt_id: int) -> None:
         self.unacked.pop(attempt_id, None)
 
+    def end_job(self, job_id: str, now: float) -> None:
+        pass
+
     def next_event(self) -> float | None:
         if self._next_exit is None and self.running:
             self._next_exit = min(a.exit_at for a in self.running.values())

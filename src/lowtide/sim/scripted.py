@@ -65,6 +65,7 @@ class FakeExecutor:
     #: Launch attempts PENDING (not running) until `start` says they run.
     pending_launches: bool = False
     starts: list[AttemptStarted] = field(default_factory=list)
+    ended_jobs: list[str] = field(default_factory=list)
     scripted_ends: dict[int, AttemptExit] = field(default_factory=dict)
 
     def start(self, attempt_id: int, at: float) -> None:
@@ -132,6 +133,10 @@ class FakeExecutor:
 
     def ack_exit(self, attempt_id: int) -> None:
         self.unacked.pop(attempt_id, None)
+
+    def end_job(self, job_id: str, now: float) -> None:
+        """Recorded in `ended_jobs` (in order, repeats included)."""
+        self.ended_jobs.append(job_id)
 
     def adopt(self, request: AdoptRequest, now: float) -> AdoptResult:
         if request.attempt_id in self.running:
