@@ -103,6 +103,12 @@ def lowtide_config(values: Mapping[str, Any], release: Release) -> dict[str, Any
             "public_url": f"http://{release.name}.{release.namespace}.svc:{values['service']['port']}",
         },
         "executor": {"kind": "argo"},
+        # Only the holder of the release's Lease acts (`adapters.k8s_lease`); the store's lease
+        # and its fencing stay behind it.
+        "control": {
+            "lease_backend": "kubernetes",
+            "kubernetes_lease": {"namespace": release.namespace, "name": f"{release.name}-control"},
+        },
         "argo": {
             "namespace": values["argo"]["namespace"],
             "research_priority_class": values["priorityClasses"]["research"]["name"],
@@ -267,6 +273,9 @@ WORKLOAD_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("apps", "deployments/scale", ("get", "update", "patch")),
     ("autoscaling", "horizontalpodautoscalers", ("get", "list", "watch")),
     ("keda.sh", "scaledobjects", ("get", "list", "watch")),
+    # The Kubernetes service manager's readiness: a replica serves once its Service's
+    # EndpointSlices list its pod ready (`adapters.k8s_services`, `endpoint_service`).
+    ("discovery.k8s.io", "endpointslices", ("get", "list", "watch")),
     ("", "events", ("create",)),
 )
 #: Cluster-scoped: the nodes lowtide labels and taints.
