@@ -250,9 +250,7 @@ def test_kill_9_of_the_control_plane_loses_no_job_and_leaves_no_orphan(
     )
     assert len(server.json("jobs")["jobs"]) == 2
     wait_until(lambda: not shims_of(tmp_path), timeout=10, what="no step process left")
-    assert (
-        not psutil.pid_exists(train_pid) or psutil.Process(train_pid).status() == psutil.STATUS_ZOMBIE
-    )
+    assert not psutil.pid_exists(train_pid) or psutil.Process(train_pid).status() == psutil.STATUS_ZOMBIE
 
 
 def test_a_second_control_plane_on_the_same_state_or_port_refuses_to_start(

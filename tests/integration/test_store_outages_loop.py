@@ -60,7 +60,9 @@ def test_exits_during_a_store_outage_are_recorded_and_gpus_freed_when_it_ends(
         submit(lt, {"name": f"j{i}", "steps": [{"name": "s", "command": wait_for(go), "gpus": 1}]})
         for i in range(3)
     ]
-    tick_until(lt, lambda: len([a for a in lt.store.active_attempts() if a.handle]) == 3, what="3 steps running")
+    tick_until(
+        lt, lambda: len([a for a in lt.store.active_attempts() if a.handle]) == 3, what="3 steps running"
+    )
     attempts = {a.id for a in lt.store.active_attempts()}
     api = TestClient(lt.app)
 
