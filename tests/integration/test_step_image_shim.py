@@ -1,0 +1,113 @@
+"""The in-image step shim (`lowtide-step-shim`) with real processes and signals: SIGTERM becomes
+the notice file and the step's checkpoint; the exit code tells Argo's retry expression whether
+the step was interrupted (75), finished (0, with the result marker) or failed (its own code).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from support import wait_until
+
+SHIM = [sys.executable, "-m", "lowtide.step_image.shim", "--"]
+
+
+def start(tmp_path: Path, step: str, grace: float = 5.0, **env: str) -> subprocess.Popen[bytes]:
+    script = tmp_path / "step.py"
+    script.write_text(textwrap.dedent(step))
+    full = {
+        **os.environ,
+        "LOWTIDE_NOTICE_FILE": str(tmp_path / "NOTICE"),
+        "LOWTIDE_RESULT_FILE": str(tmp_path / "result"),
+        "LOWTIDE_GRACE_SECONDS": f"{grace:g}",
+        "LOWTIDE_INTERRUPTED_EXIT_CODE": "75",
+        **env,
+    }
+    return subprocess.Popen([*SHIM, sys.executable, str(script)], env=full, cwd=tmp_path)
+
+
+CHECKPOINTS_ON_NOTICE = """
+    import os, signal, sys, time, pathlib
+    here = pathlib.Path(__file__).parent
+    stop = False
+    def term(*_):
+        global stop
+        stop = True
+    signal.signal(signal.SIGTERM, term)
+    (here / "ready").write_text("1")
+    while not stop:
+        time.sleep(0.02)
+    notice = pathlib.Path(os.environ["LOWTIDE_NOTICE_FILE"]).read_text()
+    (here / "checkpoint").write_text(notice)
+    sys.exit(1)  # any non-zero code after notice: interrupted
+"""
+
+
+def test_sigterm_becomes_the_notice_and_an_interrupted_exit(tmp_path: Path) -> None:
+    shim = start(tmp_path, CHECKPOINTS_ON_NOTICE, grace=7)
+    wait_until((tmp_path / "ready").exists, timeout=20, what="the step to start")
+    sent = time.time()
+    shim.send_signal(signal.SIGTERM)  # the kubelet, after lowtide deleted the pod
+    assert shim.wait(timeout=20) == 75
+    notice = json.loads((tmp_path / "checkpoint").read_text())  # the step read it before it left
+    assert notice["grace_seconds"] == 7 and sent + 6 <= notice["deadline"] <= time.time() + 7
+    assert not (tmp_path / "result").exists()
+
+
+def test_a_step_that_ignores_notice_is_killed_at_the_grace_and_still_interrupted(tmp_path: Path) -> None:
+    stubborn = """
+        import signal, time, pathlib
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        (pathlib.Path(__file__).parent / "ready").write_text("1")
+        while True:
+            time.sleep(0.05)
+    """
+    shim = start(tmp_path, stubborn, grace=1)
+    wait_until((tmp_path / "ready").exists, timeout=20, what="the step to start")
+    began = time.monotonic()
+    shim.send_signal(signal.SIGTERM)
+    assert shim.wait(timeout=20) == 75
+    assert time.monotonic() - began >= 0.9  # it had its grace
+
+
+def test_exit_zero_is_done_with_the_result_marker_even_after_notice(tmp_path: Path) -> None:
+    finishes = """
+        import signal, sys, time, pathlib
+        here = pathlib.Path(__file__).parent
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # it was at its last step anyway
+        (here / "ready").write_text("1")
+        time.sleep(30)
+    """
+    shim = start(tmp_path, finishes)
+    wait_until((tmp_path / "ready").exists, timeout=20, what="the step to start")
+    shim.send_signal(signal.SIGTERM)
+    assert shim.wait(timeout=20) == 0
+    assert (tmp_path / "result").read_text() == "completed"
+
+
+@pytest.mark.parametrize(("code", "shim_code"), [(0, 0), (3, 3), (75, 1)])
+def test_without_notice_the_steps_own_code_stands_but_never_the_interrupted_one(
+    tmp_path: Path, code: int, shim_code: int
+) -> None:
+    shim = start(tmp_path, f"import sys; sys.exit({code})")
+    assert shim.wait(timeout=20) == shim_code
+    assert (tmp_path / "result").exists() == (code == 0)
+    assert not (tmp_path / "NOTICE").exists()
+
+
+def test_a_missing_command_and_a_missing_argv_are_clear(tmp_path: Path) -> None:
+    missing = subprocess.run(
+        [*SHIM, "/no/such/step"], check=False, capture_output=True, text=True, timeout=20
+    )
+    assert missing.returncode == 127 and "command not found: /no/such/step" in missing.stderr
+    usage = subprocess.run(SHIM, check=False, capture_output=True, text=True, timeout=20)
+    assert usage.returncode == 2 and "usage: lowtide-step-shim" in usage.stderr
