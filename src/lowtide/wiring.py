@@ -409,7 +409,11 @@ def build(settings: Settings, *, clock: Clock | None = None) -> Embedded:
         secret_rules={n: SecretRule(c.env, tuple(c.teams)) for n, c in settings.secrets.items()},
         max_steps_per_job=settings.scheduler.max_steps_per_job,
         store_unhealthy_after_s=settings.api.store_unhealthy_after,
-        extra={"session_key_file": str(state / "session.key")},  # the dashboard's cookies (api.session)
+        extra={
+            "session_key_file": str(state / "session.key"),  # the dashboard's cookies (api.session)
+            "dashboard_origins": tuple(settings.api.dashboard_origins),  # api.session's origin check
+            "simulation_reports_dir": str(settings.simulation_reports_path),  # the Reports page
+        },
     )
     app = create_app(ctx)
     wake.target = loop.wake
@@ -631,41 +635,27 @@ def build_argo_executor(settings: Settings, store: Store) -> Executor:
     except ArgoCompileError as exc:
         raise ConfigError(f"argo: {exc}") from None
     if argo.kubeconfig is None:
-        api_client = kube_api_client()
+        api_client = kube_api_client(setting="executor.kind: argo")
     else:
-        from kubernetes import client as kube_client  # noqa: PLC0415
-        from kubernetes import config as kube_config  # noqa: PLC0415
-
-        configuration = kube_client.Configuration()
         try:
-            kube_config.load_kube_config(config_file=argo.kubeconfig, client_configuration=configuration)
-        except Exception as exc:  # ConfigException, a missing or unreadable file
-            raise ConfigError(f"argo.kubeconfig: {argo.kubeconfig}: cannot be used: {exc}") from exc
-        api_client = kube_client.ApiClient(configuration)
+            api_client = kube_api_client(argo.kubeconfig, setting="argo.kubeconfig")
+        except ServeError as exc:
+            raise ConfigError(str(exc)) from None
     return ArgoExecutor(api_client, argo_settings, argo_workflows(store, argo_settings))
 
 
-def kube_api_client() -> Any:
-    """A `kubernetes.client.ApiClient` from the pod's ServiceAccount when running in a cluster
-    (KUBERNETES_SERVICE_HOST set), else from KUBECONFIG / ~/.kube/config."""
-    from kubernetes import client as kube_client  # noqa: PLC0415 - only cluster mode needs it
-    from kubernetes import config as kube_config  # noqa: PLC0415
+def kube_api_client(kubeconfig: str | None = None, *, setting: str = "services[].manager: kubernetes") -> Any:
+    """`adapters.kube_client.kube_api_client`, with a start-up error that names the `setting`
+    that needs the cluster."""
+    from lowtide.adapters.kube_client import KubeConfigError  # noqa: PLC0415 - cluster mode only
+    from lowtide.adapters.kube_client import kube_api_client as make_client  # noqa: PLC0415
 
-    configuration = kube_client.Configuration()
     try:
-        if os.environ.get("KUBERNETES_SERVICE_HOST"):
-            kube_config.load_incluster_config(client_configuration=configuration)
-        else:
-            # KUBECONFIG read now: the client reads it once, when it is imported.
-            kube_config.load_kube_config(
-                config_file=os.environ.get("KUBECONFIG") or None, client_configuration=configuration
-            )
-    except Exception as exc:  # ConfigException, a missing or unreadable file
+        return make_client(kubeconfig)
+    except KubeConfigError as exc:
         raise ServeError(
-            f"services[].manager: kubernetes: no Kubernetes credentials ({exc}); run lowtide in a pod "
-            "with a ServiceAccount, or set KUBECONFIG"
+            f"{setting}: {exc}; run lowtide in a pod with a ServiceAccount, or set KUBECONFIG"
         ) from exc
-    return kube_client.ApiClient(configuration)
 
 
 def start_gateways(settings: Settings, gateway: GatewaySupervisor | None) -> GatewaySupervisor | None:
@@ -834,11 +824,12 @@ def _kubernetes_leases(
     from the pod's ServiceAccount or KUBECONFIG): duration `lease_ttl` rounded up, renew deadline
     the leadership's acting deadline (80 % of the ttl), retried every `lease_renew`."""
     from lowtide.adapters import k8s_lease  # noqa: PLC0415 (the kubernetes client only in this mode)
+    from lowtide.adapters.kube_client import default_namespace  # noqa: PLC0415
 
     control = settings.control
     try:
         api = k8s_lease.coordination_api()
-        namespace = control.kubernetes_lease.namespace or k8s_lease.default_namespace()
+        namespace = control.kubernetes_lease.namespace or default_namespace()
     except k8s_lease.KubeLeaseError as exc:
         raise ServeError(str(exc)) from exc
     elector = k8s_lease.KubeLeaseElector(

@@ -561,7 +561,7 @@ def test_kube_api_client_reads_kubeconfig_and_says_clearly_when_there_is_none(
     finally:
         api.close()
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
-    with pytest.raises(ServeError, match=r"no Kubernetes credentials .*set KUBECONFIG"):
+    with pytest.raises(ServeError, match=r"no Kubernetes credentials from KUBECONFIG.*set KUBECONFIG"):
         kube_api_client()
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import uvicorn
 from kubernetes import client
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from . import errors as apierr
@@ -45,6 +45,10 @@ from .watch import WatchStreams
 
 Obj = dict[str, Any]
 ADMIN_TOKEN = "fake-admin-token"
+
+
+#: What the request log records for a request whose client went away before it was handled.
+CLIENT_CLOSED_REQUEST = 499
 
 
 @dataclass
@@ -187,6 +191,10 @@ class FakeApiServer:
             response = await self._dispatch(request, verb, target)
         except apierr.ApiError as exc:
             response = JSONResponse(exc.status(), status_code=exc.code, headers=exc.headers)
+        except ClientDisconnect:
+            # The client gave up (its timeout, during an injected latency) before its body was
+            # read: nothing was done. Recorded as 499, "client closed request" (nginx's code).
+            response = Response(status_code=CLIENT_CLOSED_REQUEST)
         except Exception as exc:  # a bug in the fake: answer like an apiserver panic, visibly
             err = apierr.ApiError(
                 500, "InternalError", f"Internal error occurred: fake API server bug: {exc!r}"

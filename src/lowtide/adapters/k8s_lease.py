@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -60,9 +59,9 @@ from typing import Any
 
 import urllib3
 from kubernetes import client as k8s_client
-from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
+from lowtide.adapters.kube_client import KubeConfigError, kube_api_client
 from lowtide.control.leadership import LeasePort
 from lowtide.control.lease import LEASE_NAME, Fence, LeaseCandidate, LeaseClaim, LeaseRecord
 from lowtide.control.records import FencedOut
@@ -511,45 +510,9 @@ class KubeGatedLeases:
         self.store.fence_writes(fence, on_fenced)
 
 
-#: Where a pod finds its own namespace (the ServiceAccount token's volume).
-POD_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
-
-
-def kube_api_client() -> Any:
-    """A `kubernetes.client.ApiClient` from the in-cluster ServiceAccount when running in a pod
-    (KUBERNETES_SERVICE_HOST is set), else from KUBECONFIG (or ~/.kube/config)."""
-    configuration = k8s_client.Configuration()
-    try:
-        if os.environ.get("KUBERNETES_SERVICE_HOST"):
-            k8s_config.load_incluster_config(client_configuration=configuration)
-        else:
-            # KUBECONFIG read now (the client reads its default path once, when it is imported).
-            k8s_config.load_kube_config(
-                config_file=os.environ.get("KUBECONFIG") or None, client_configuration=configuration
-            )
-    except (k8s_config.ConfigException, OSError) as exc:
-        raise KubeLeaseError(
-            f"cannot configure the Kubernetes client (in-cluster ServiceAccount or KUBECONFIG): {exc}"
-        ) from exc
-    return k8s_client.ApiClient(configuration)
-
-
-def default_namespace() -> str:
-    """The pod's namespace, else the KUBECONFIG context's, else "default"."""
-    try:
-        with open(POD_NAMESPACE_FILE, encoding="utf-8") as fh:
-            ns = fh.read().strip()
-        if ns:
-            return ns
-    except OSError:
-        pass
-    try:
-        _, active = k8s_config.list_kube_config_contexts(os.environ.get("KUBECONFIG") or None)
-    except (k8s_config.ConfigException, OSError):
-        return "default"
-    return str((active or {}).get("context", {}).get("namespace") or "default")
-
-
 def coordination_api() -> Any:
-    """A `CoordinationV1Api` on `kube_api_client()`."""
-    return k8s_client.CoordinationV1Api(kube_api_client())
+    """A `CoordinationV1Api` on `adapters.kube_client.kube_api_client()`. Raises KubeLeaseError."""
+    try:
+        return k8s_client.CoordinationV1Api(kube_api_client())
+    except KubeConfigError as exc:
+        raise KubeLeaseError(str(exc)) from exc
