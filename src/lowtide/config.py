@@ -97,13 +97,20 @@ class ApiConfig(_Strict):
     cors_origins: list[str] = Field(default_factory=list)
     #: Seconds the store may fail before ``/healthz`` answers 503 (docs/architecture.md §4.4).
     store_unhealthy_after: float = Field(default=30.0, gt=0, le=86400, allow_inf_nan=False)
+    #: Where the dashboard's Reports page finds simulator reports (``lowtide simulate --out
+    #: <this dir>/<name>``); default ``<state_dir>/simulations`` (`Settings.simulation_reports_path`).
+    simulation_reports_dir: str | None = None
+    #: Origins (``https://dash.example.org``) browsers use to reach the dashboard. Set: a cookie
+    #: session's login and unsafe requests must come from one of them; empty (the default): from
+    #: the origin the request's Host header names (docs/architecture.md §12).
+    dashboard_origins: list[str] = Field(default_factory=list)
 
     @field_validator("store_unhealthy_after", mode="before")
     @classmethod
     def _unhealthy_after(cls, v: Any) -> float:
         return parse_duration(v)
 
-    @field_validator("cors_origins")
+    @field_validator("cors_origins", "dashboard_origins")
     @classmethod
     def _origins(cls, v: list[str]) -> list[str]:
         for i, origin in enumerate(v):
@@ -900,6 +907,12 @@ class Settings(BaseSettings):
         return Path(self.state_dir)
 
     @property
+    def simulation_reports_path(self) -> Path:
+        """`api.simulation_reports_dir`, else ``<state_dir>/simulations``."""
+        where = self.api.simulation_reports_dir
+        return Path(where) if where else self.state_path / "simulations"
+
+    @property
     def accounting_timezone(self) -> str:
         """The time zone of report days: `accounting.timezone`, else `lending.timezone`."""
         return self.accounting.timezone or self.lending.timezone
@@ -957,6 +970,11 @@ def _resolve_paths(doc: dict[str, Any], base: Path) -> dict[str, Any]:
         path = Path(auth["admin_token_file"])
         if not path.is_absolute():
             out["auth"] = {**auth, "admin_token_file": str((base / path).resolve())}
+    api = out.get("api")
+    if isinstance(api, dict) and isinstance(api.get("simulation_reports_dir"), str):
+        path = Path(api["simulation_reports_dir"])
+        if not path.is_absolute():
+            out["api"] = {**api, "simulation_reports_dir": str((base / path).resolve())}
     return out
 
 

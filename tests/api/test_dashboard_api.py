@@ -24,6 +24,7 @@ from fastapi.testclient import TestClient
 from lowtide.api import dashboard, session
 from lowtide.api.app import create_app
 from lowtide.control.clock import FakeClock
+from lowtide.domain.states import ReplicaState as R
 from lowtide.wiring import Embedded, build
 from support import embedded, kill_steps_and_close, settings_for
 
@@ -109,6 +110,36 @@ def test_unsafe_requests_by_cookie_need_the_csrf_token_and_the_same_origin(lt: E
         "/v1/session", json={"token": raw}, headers={"Origin": "http://evil.test"}
     )
     assert foreign.status_code == 403
+
+
+def test_configured_dashboard_origins_decide_same_origin_not_the_host_header(tmp_path: Path) -> None:
+    lt = embedded(tmp_path, auth={"enabled": True}, api={"dashboard_origins": ["https://dash.example.org"]})
+    try:
+        token(lt, "root", role="admin")
+        token_id, raw = token(lt, "alice", teams=["nlp"])
+        # The Host header is the client's to choose: an Origin that merely matches it is refused.
+        client = TestClient(lt.app, base_url="http://evil.test")
+        spoofed = client.post("/v1/session", json={"token": raw}, headers={"Origin": "http://evil.test"})
+        assert spoofed.status_code == 403 and spoofed.json()["errors"][0]["loc"] == "header.Origin"
+        own = {"Origin": "https://dash.example.org"}
+        r = client.post("/v1/session", json={"token": raw}, headers=own)
+        assert r.status_code == 200, r.text
+        csrf = r.json()["csrf_token"]
+        foreign = {"X-CSRF-Token": csrf, "Host": "evil.test", "Origin": "http://evil.test"}
+        refused = client.post("/v1/jobs", content=SPEC, headers={**YAML, **foreign})
+        assert refused.status_code == 403 and refused.json()["errors"][0]["loc"] == "header.Origin"
+        referer = {"Referer": "https://DASH.example.org/ui/#/submit"}  # scheme and host are case-blind
+        ok = client.post("/v1/jobs", content=SPEC, headers={**YAML, "X-CSRF-Token": csrf, **referer})
+        assert ok.status_code == 201, ok.text
+        assert (
+            client.post("/v1/jobs", content=SPEC, headers={**YAML, "X-CSRF-Token": csrf, **own}).status_code
+            == 201
+        )
+        # The session re-reads its token by id on every request: revoked, it is refused at once.
+        lt.store.revoke_token(token_id, lt.clock.now())
+        assert client.get("/v1/jobs").status_code == 401
+    finally:
+        kill_steps_and_close(lt)
 
 
 def test_a_revoked_token_logs_its_sessions_out_at_once_and_forged_cookies_fail(lt: Embedded) -> None:
@@ -223,6 +254,84 @@ def _check_timeline_and_templates(lt: Embedded, clock: FakeClock) -> None:
     assert "use: prep" in prep["starter"] and "team: nlp" in prep["starter"]
     r = client.post("/v1/jobs/validate", content=prep["starter"], headers={**YAML, "X-CSRF-Token": csrf})
     assert r.status_code == 200, r.text
+
+
+def test_timeline_splits_a_parked_replicas_gpus_from_free(tmp_path: Path) -> None:
+    clock = FakeClock()
+    lt = build(settings_for(tmp_path, auth={"enabled": True}), clock=clock)
+    try:
+        _, raw = token(lt, "alice", teams=["nlp"])
+        lt.loop.recover()
+        lt.loop.tick()  # every GPU idle in the ledger
+        t0 = clock.now()
+        lt.store.begin_replica(
+            replica_id="chat/0", service="chat", slot=0, port=9000, node="node-b", gpus=(0, 1),
+            wake=False, now=t0, reason="start",
+        )  # fmt: skip
+        moves = [(R.STARTING, R.SERVING), (R.SERVING, R.DRAINING), (R.DRAINING, R.PARKING)]
+        for i, (a, b) in enumerate(moves):
+            lt.store.move_replica("chat/0", a, b, now=t0 + 900 * (i > 0), message=b.value)
+        lt.store.move_replica(
+            "chat/0", R.PARKING, R.PARKED, now=t0 + 900, message="asleep", parked_as="sleep"
+        )
+        clock.advance(1800)
+        client, _ = login(lt, raw)
+        t = client.get("/v1/pool/timeline", params={"hours": 0.5, "buckets": 2}).json()
+        first, second = t["buckets"]
+        assert (first["serving"], first["idle"], first["parked"], first["free"]) == (2.0, 4.0, 0.0, 4.0)
+        assert (second["serving"], second["idle"], second["parked"], second["free"]) == (0.0, 6.0, 2.0, 4.0)
+    finally:
+        kill_steps_and_close(lt)
+
+
+def test_simulation_reports_are_listed_and_read_by_name_and_nothing_outside_is(lt: Embedded) -> None:
+    _, raw = token(lt, "alice", teams=["nlp"])
+    client, _ = login(lt, raw)
+    assert client.get("/v1/reports/simulations").json() == {"reports": []}  # no directory yet
+    root = Path(lt.settings.simulation_reports_path)
+    assert root == Path(lt.settings.state_dir) / "simulations"  # the default
+    (root / "night").mkdir(parents=True)
+    summary = {"policy": "continuous", "days": 1.0, "gpu_hours_harvested": 12.5, "preemptions": 3,
+               "slo_violation_minutes": 0.0, "reclaim_latency_p50_s": None, "currency": "USD",
+               "savings": "<b>not a number</b>"}  # fmt: skip
+    (root / "night" / "summary.json").write_text(json.dumps(summary))
+    (root / "week.json").write_text(
+        json.dumps(
+            {
+                "policies": ["none", "window"],
+                "runs": {
+                    "none": {"policy": "none", "preemptions": 0},
+                    "window": {"policy": "window", "preemptions": 7},
+                },
+            }
+        )
+    )
+    (root / "broken.json").write_text("{not json")
+    (root.parent / "secret.json").write_text(json.dumps({"policy": "outside"}))
+    (root / "escape.json").symlink_to(root.parent / "secret.json")  # points outside: not a report
+    listed = client.get("/v1/reports/simulations").json()["reports"]
+    by_name = {r["name"]: r for r in listed}
+    assert set(by_name) == {"night", "week", "broken"}
+    night = by_name["night"]
+    assert night["file"] == "night/summary.json" and night["error"] is None
+    (run,) = night["runs"]
+    assert run["policy"] == "continuous" and run["currency"] == "USD"
+    assert run["figures"]["gpu_hours_harvested"] == 12.5 and run["figures"]["preemptions"] == 3
+    assert run["figures"]["reclaim_latency_p50_s"] is None and run["figures"]["savings"] is None
+    assert [r["policy"] for r in by_name["week"]["runs"]] == ["none", "window"]
+    assert by_name["broken"]["runs"] == [] and by_name["broken"]["error"]
+    detail = client.get("/v1/reports/simulations/week").json()
+    assert detail["policies"] == ["none", "window"] and detail["runs"]["window"]["preemptions"] == 7
+    assert client.get("/v1/reports/simulations/night").json()["runs"]["continuous"]["days"] == 1.0
+    for away in ("..", "a%2F..%2Fsecret", "..%2Fsecret"):  # resolved or split into segments: no route
+        assert client.get(f"/v1/reports/simulations/{away}").status_code == 404
+    for bad in ("escape", "nothing", "...", ".hidden", "x..y", "%2E%2E"):
+        r = client.get(f"/v1/reports/simulations/{bad}")
+        assert r.status_code == 404, (bad, r.text)
+        assert r.json()["errors"][0]["loc"] == "path.name"
+    unreadable = client.get("/v1/reports/simulations/broken")
+    assert unreadable.status_code == 422 and unreadable.json()["errors"][0]["loc"] == "path.name"
+    assert TestClient(lt.app).get("/v1/reports/simulations").status_code == 401  # not logged in
 
 
 def test_ui_is_503_until_built_then_served_with_a_csp(lt: Embedded, tmp_path: Path, monkeypatch: Any) -> None:

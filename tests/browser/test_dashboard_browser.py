@@ -11,12 +11,14 @@ job. Every page is saved as a screenshot under ``test-output/screenshots/`` (pri
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -132,6 +134,9 @@ def test_login_overview_and_a_user_never_sees_another_teams_job(site: Site) -> N
     expect(page.locator(".live.ok")).to_be_visible()  # the event stream is connected
     expect(page.get_by_role("heading", name="Last 24 hours")).to_be_visible()
     page.wait_for_selector(".uplot")
+    timeline = page.locator(".chart").first
+    expect(timeline.locator(".u-legend")).to_contain_text("parked / sleeping")
+    expect(timeline).to_contain_text("parked or sleeping")  # the text summary of the last bucket
     shot(page, "02-overview")
     # a job holding node-a's four GPUs, and one that waits for them: the queue says why
     hog = site.submit(
@@ -171,9 +176,21 @@ def test_login_overview_and_a_user_never_sees_another_teams_job(site: Site) -> N
     page.goto(f"{site.url}/ui/#/job/{secret}")
     expect(page.get_by_role("alert")).to_contain_text("not found")
     assert "bob-secret" not in page.content()
+    sims = Path(site.lt.settings.simulation_reports_path) / "night-1"
+    sims.mkdir(parents=True, exist_ok=True)
+    summary = {"policy": "<b>continuous</b>", "days": 1.0, "gpu_hours_harvested": 123.4, "preemptions": 7,
+               "slo_violation_minutes": 0.0, "reclaim_latency_p50_s": 12.0, "reclaim_latency_p99_s": None,
+               "harvest_efficiency": 0.5, "savings": 10.0, "currency": "USD"}  # fmt: skip
+    (sims / "summary.json").write_text(json.dumps(summary))
     for name in ("Services", "Reports"):
         page.get_by_role("link", name=name).click()
         expect(page.get_by_role("heading", level=1, name=name)).to_be_visible()
+        if name == "Reports":
+            region = page.get_by_role("region", name="Simulator reports")
+            expect(region).to_contain_text("123.4")
+            expect(region).to_contain_text("50.0 %")
+            expect(region).to_contain_text("<b>continuous</b>")  # user text shown as text, not markup
+            expect(region.locator("b")).to_have_count(0)
         shot(page, f"04-{name.lower()}")
     page.get_by_role("button", name="Log out").click()
     expect(page.get_by_label("API token")).to_be_visible()

@@ -420,6 +420,18 @@ def test_tokens_are_stored_hashed_and_can_be_revoked(store: Store, clock: FakeCl
         store.revoke_token(second.id, clock.now())
 
 
+def test_a_token_is_read_by_id_revoked_or_not(store: Store, clock: FakeClock) -> None:
+    record, _ = store.create_token(name="alice", owner="alice", role="user", now=clock.now(), teams=["nlp"])
+    step, _ = store.create_token(name="s", owner="loop", role="step", now=clock.now(), attempt_id=7)
+    assert store.token(record.id) == record
+    assert store.token(step.id).role == "step"
+    store.revoke_token(record.id, clock.now() + 5)
+    revoked = store.token(record.id)
+    assert revoked.revoked_at == clock.now() + 5 and revoked.teams == ("nlp",)
+    with pytest.raises(KeyError, match="not found"):  # NotFound
+        store.token(record.id + 1000)
+
+
 def test_instance_id_is_stable(store: Store) -> None:
     assert store.instance_id() == store.instance_id()
 

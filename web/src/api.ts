@@ -78,7 +78,9 @@ export interface Service {
 export interface Lending { mode: string; lendable_gpus: number; inference_claim_gpus: number; reserve_gpus: number; lending_open: boolean; return_by: number | null; fail_safe: string | null; reasons: string[] }
 export interface Services { services: Service[]; lending: Lending | null }
 export interface Reclaim { id: number; service: string | null; replica_id: string | null; reason: string; gpus: number; victims: number[]; state: string; detected_at: number; decided_at: number; notice_at: number | null; freed_at: number | null; healthy_at: number | null; total_s: number | null }
-export interface Timeline { start: number; end: number; capacity: number; buckets: { start: number; end: number; serving: number; research: number; idle: number }[] }
+export interface Timeline { start: number; end: number; capacity: number; buckets: { start: number; end: number; serving: number; research: number; idle: number; parked: number; free: number }[] }
+export interface SimulationRun { policy: string; figures: Record<string, number | null>; currency: string | null }
+export interface SimulationReport { name: string; file: string; modified_at: number; runs: SimulationRun[]; error: string | null }
 export interface Template { name: string; params: Record<string, unknown>; starter: string }
 export interface MonthlyRow {
   key: string; team: string | null; jobs_run: number; previous_jobs_run: number; research_gpu_hours: number;

@@ -10,8 +10,12 @@ timeline and the job templates (docs/architecture.md §12).
   a heartbeat otherwise; a stream lasts at most `STREAM_MAX_S` (EventSource reconnects by itself)
   and a person may hold at most `MAX_STREAMS_PER_USER` at once (429 beyond).
 - `GET /v1/pool/timeline`: the last hours of the GPU ledger in equal buckets (GPU-equivalents
-  serving, research, idle), one usage report per bucket (`store.usage_report`).
+  serving, research, idle), one usage report per bucket (`store.usage_report`); the idle part is
+  split into parked (a replica PARKED: asleep or stopped) and free by `policy.timeline`, from the
+  replicas' state events (`store.service_events`, at most `TIMELINE_EVENTS` per service).
 - `GET /v1/templates`: the templates' names, parameters and a starter spec for the editor.
+- `GET /v1/reports/simulations` and `/v1/reports/simulations/{name}`: the simulator's reports
+  in `api.simulation_reports_dir` (read by `api.reports`), for the Reports page.
 Must not: read or write anything but through the store's public methods, or show anything the
 caller's token may not see (the same `api.auth` rules as every route).
 """
@@ -33,9 +37,19 @@ from starlette.concurrency import run_in_threadpool
 from starlette.staticfiles import StaticFiles
 from starlette.types import Receive, Scope, Send
 
+from lowtide.api import reports
 from lowtide.api.auth import Principal, authenticate, require_people
 from lowtide.api.errors import ApiError
+from lowtide.api.schemas import ErrorOut
 from lowtide.control.records import StoreUnavailable
+from lowtide.policy.timeline import (
+    ParkedNow,
+    ParkedSpan,
+    ReplicaMove,
+    parked_gpus,
+    parked_spans,
+    split_idle,
+)
 
 #: Where `make web` puts the built front-end (git-ignored).
 WEB_DIST = Path(__file__).resolve().parents[1] / "web_dist"
@@ -43,6 +57,8 @@ STREAM_POLL_S = 1.0
 STREAM_MAX_S = 600.0
 HEARTBEAT_S = 15.0
 MAX_STREAMS_PER_USER = 4
+#: Service events read per service for the timeline's parked share (a day of replica moves).
+TIMELINE_EVENTS = 5000
 _CSP = (
     "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
     "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'"
@@ -92,7 +108,11 @@ class TimelineBucket(BaseModel):
     end: float
     serving: float = Field(description="GPU-equivalents held by inference replicas")
     research: float = Field(description="GPU-equivalents held by research attempts (lent and used)")
-    idle: float = Field(description="GPU-equivalents held by nobody (free, or lent and unused)")
+    idle: float = Field(description="GPU-equivalents held by nobody in the ledger: parked + free")
+    parked: float = Field(
+        description="of idle: GPUs of replicas PARKED (asleep or stopped) and not lent out meanwhile"
+    )
+    free: float = Field(description="of idle: neither held nor parked (free, or lent and unused)")
 
 
 class TimelineOut(BaseModel):
@@ -129,6 +149,22 @@ class _Streams:
 
 def _sse(event: str, data: Any) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def _parked_spans(ctx: Any, now: float) -> list[ParkedSpan]:
+    """The replicas' PARKED intervals, from their records and state events (`policy.timeline`)."""
+    records = ctx.store.replicas()
+    inf = ctx.inference
+    per_replica = {name: setup.spec.gpus_per_replica for name, setup in (inf.services.items() if inf else ())}
+    gpus_of = {r.id: len(r.gpus) or per_replica.get(r.service, 0) for r in records}
+    moves = [
+        ReplicaMove(e.replica_id, e.at, e.kind)
+        for service in sorted({r.service for r in records})
+        for e in ctx.store.service_events(service, limit=TIMELINE_EVENTS)
+        if e.replica_id is not None
+    ]
+    current = [ParkedNow(r.id, r.state, r.since) for r in records]
+    return parked_spans(moves, current, gpus_of, now=now)
 
 
 def install(app: FastAPI) -> None:
@@ -218,18 +254,23 @@ def install(app: FastAPI) -> None:
         end = ctx.clock.now()
         start = end - hours * 3600.0
         width = (end - start) / buckets
+        spans = _parked_spans(ctx, end)
         out: list[TimelineBucket] = []
         for i in range(buckets):
             lo, hi = start + i * width, start + (i + 1) * width
             totals = ctx.store.usage_report(lo, hi, group_by="day").totals
             span = hi - lo
+            idle = totals.idle_gpu_seconds / span
+            parked, free = split_idle(idle, parked_gpus(spans, lo, hi))
             out.append(
                 TimelineBucket(
                     start=lo,
                     end=hi,
                     serving=round(totals.inference_gpu_seconds / span, 3),
                     research=round(totals.research_gpu_seconds / span, 3),
-                    idle=round(totals.idle_gpu_seconds / span, 3),
+                    idle=round(idle, 3),
+                    parked=round(parked, 3),
+                    free=round(free, 3),
                 )
             )
         capacity = float(sum(n.gpu_count for n in ctx.nodes))
@@ -258,6 +299,37 @@ def install(app: FastAPI) -> None:
                 )
             )
         return out
+
+    def sim_dir(request: Request) -> Path | None:
+        where = request.app.state.ctx.extra.get("simulation_reports_dir")
+        return Path(where) if where else None
+
+    @r.get(
+        "/reports/simulations",
+        response_model=reports.SimulationListOut,
+        summary="The simulator's reports (lowtide simulate --out), newest first",
+    )
+    def simulations(request: Request, who: Who) -> reports.SimulationListOut:
+        require_people(who)
+        root = sim_dir(request)
+        if root is None:
+            return reports.SimulationListOut(reports=[])
+        return reports.simulation_reports(root)
+
+    @r.get(
+        "/reports/simulations/{name}",
+        response_model=reports.SimulationDetailOut,
+        responses={404: {"model": ErrorOut}, 422: {"model": ErrorOut}},
+        summary="One simulator report: each policy's whole summary",
+    )
+    def simulation(request: Request, who: Who, name: str) -> reports.SimulationDetailOut:
+        require_people(who)
+        root = sim_dir(request)
+        if root is None:
+            raise ApiError(
+                404, "not_found", "no simulation reports directory", [("path.name", "not configured")]
+            )
+        return reports.simulation_report(root, name)
 
     app.include_router(r)
     app.mount("/ui", _Ui(WEB_DIST), name="ui")

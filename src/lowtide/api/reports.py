@@ -13,18 +13,31 @@ of its teams (`visible_team`): job, team and attempt-holder rows of other teams 
 rows of no team (days, idle GPUs, replicas) are pool-wide figures and stay, and so do the
 totals, which describe the whole pool (capacity, lent, used) and name no job or team.
 The routes themselves are in `app.create_app` (they need the app's auth dependency), one call
-into here each. Neighbours: `store.reports_repo` (the figures), `policy.accounting` and
+into here each.
+
+Simulator reports (`GET /v1/reports/simulations[/{name}]`, routed by `api.dashboard`): what
+`lowtide simulate --out DIR` wrote (`cli.simulate_cmd`: `DIR/summary.json`, one policy's summary,
+or `DIR/compare.json`, `{"policies": [...], "runs": {policy: summary}}`), found in the configured
+directory (`api.simulation_reports_dir`) as `<dir>/<name>/summary.json`, `<dir>/<name>/compare.json`
+or `<dir>/<name>.json`. `simulation_reports` lists them (newest first; an unreadable one is listed
+with its error), `simulation_report` reads one by name: a name is one path segment of
+`SIM_NAME_PATTERN` (no `/`, no `..`, no leading dot) and must resolve inside the directory, else
+404 naming `path.name`. Only files up to `MAX_SIM_REPORT_BYTES` are read.
+Neighbours: `store.reports_repo` (the figures), `policy.accounting` and
 `policy.monthly` (their definitions), `cli.report_cmd` (prints these). Must not: compute figures
 (policy does) or write anything.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
 from zoneinfo import ZoneInfo
 
 from pydantic import BaseModel, Field
@@ -403,4 +416,157 @@ def _monthly_row_out(row: MonthlyRow) -> MonthlyRowOut:
         savings=row.savings,
         preemptions=row.preemptions,
         lost_gpu_hours=row.lost_gpu_hours,
+    )
+
+
+# -- simulator reports ----------------------------------------------------------------------------
+
+#: A report's name: one path segment (a directory or file stem in the reports directory).
+SIM_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+#: Larger files are not read (a summary is a few kB).
+MAX_SIM_REPORT_BYTES = 2 * 1024 * 1024
+#: At most this many reports are listed.
+MAX_SIM_REPORTS = 200
+_SIM_FILES = ("summary.json", "compare.json")
+#: The figures the list shows of each run (the detail gives the whole summary).
+SIM_FIGURES = (
+    "days",
+    "gpus",
+    "jobs_submitted",
+    "jobs_succeeded",
+    "gpu_hours_harvested",
+    "harvest_efficiency",
+    "preemptions",
+    "gpu_hours_lost_to_preemption",
+    "slo_violation_minutes",
+    "reclaims",
+    "reclaim_latency_p50_s",
+    "reclaim_latency_p99_s",
+    "savings",
+)
+
+
+class SimulationRunOut(BaseModel):
+    policy: str
+    figures: dict[str, float | None] = Field(
+        description=f"of the summary: {', '.join(SIM_FIGURES)} (None: not in the report)"
+    )
+    currency: str | None = None
+
+
+class SimulationReportOut(BaseModel):
+    name: str
+    file: str = Field(description="the report's file, relative to the reports directory")
+    modified_at: float
+    runs: list[SimulationRunOut] = Field(default_factory=list)
+    error: str | None = Field(default=None, description="why the report could not be read, if it could not")
+
+
+class SimulationListOut(BaseModel):
+    reports: list[SimulationReportOut]
+
+
+class SimulationDetailOut(BaseModel):
+    name: str
+    file: str
+    modified_at: float
+    policies: list[str]
+    runs: dict[str, dict[str, Any]] = Field(
+        description="each policy's whole summary, as the simulator wrote it"
+    )
+
+
+def _not_found(name: str, why: str) -> ApiError:
+    return ApiError(404, "not_found", f"simulation report '{name}' not found", [("path.name", why)])
+
+
+def _report_file(root: Path, name: str) -> Path | None:
+    """The file of report `name` under `root`, or None. `name` must already be valid."""
+    base = root.resolve()
+    for candidate in (*(root / name / f for f in _SIM_FILES), root / f"{name}.json"):
+        try:
+            resolved = candidate.resolve()
+        except OSError:
+            continue
+        if resolved.is_file() and resolved.is_relative_to(base):
+            return resolved
+    return None
+
+
+def _read_runs(path: Path) -> dict[str, dict[str, Any]]:
+    """{policy: summary} of a summary.json or compare.json; ValueError when it is neither."""
+    if path.stat().st_size > MAX_SIM_REPORT_BYTES:
+        raise ValueError(f"larger than {MAX_SIM_REPORT_BYTES} bytes")
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    if isinstance(doc, dict) and isinstance(doc.get("runs"), dict):
+        runs = doc["runs"]
+        if all(isinstance(k, str) and isinstance(v, dict) for k, v in runs.items()):
+            return dict(runs)
+    elif isinstance(doc, dict) and isinstance(doc.get("policy"), str):
+        return {doc["policy"]: doc}
+    raise ValueError("not a simulator summary (no 'policy') nor a comparison (no 'runs')")
+
+
+def _number(value: Any) -> float | None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
+
+
+def _run_out(policy: str, summary: dict[str, Any]) -> SimulationRunOut:
+    currency = summary.get("currency")
+    return SimulationRunOut(
+        policy=policy,
+        figures={k: _number(summary.get(k)) for k in SIM_FIGURES},
+        currency=currency if isinstance(currency, str) else None,
+    )
+
+
+def simulation_reports(root: Path) -> SimulationListOut:
+    """Every report in `root` (none when it does not exist), newest first."""
+    if not root.is_dir():
+        return SimulationListOut(reports=[])
+    found: list[SimulationReportOut] = []
+    for entry in root.iterdir():
+        name = entry.name[:-5] if entry.is_file() and entry.name.endswith(".json") else entry.name
+        if not re.fullmatch(SIM_NAME_PATTERN, name):
+            continue
+        path = _report_file(root, name)
+        if path is None:
+            continue
+        rel = str(path.relative_to(root.resolve()))
+        modified = path.stat().st_mtime
+        try:
+            runs = [_run_out(p, s) for p, s in _read_runs(path).items()]
+        except (OSError, ValueError, UnicodeDecodeError) as exc:
+            found.append(SimulationReportOut(name=name, file=rel, modified_at=modified, error=str(exc)[:200]))
+            continue
+        found.append(SimulationReportOut(name=name, file=rel, modified_at=modified, runs=runs))
+    found.sort(key=lambda r: (-r.modified_at, r.name))
+    return SimulationListOut(reports=found[:MAX_SIM_REPORTS])
+
+
+def simulation_report(root: Path, name: str) -> SimulationDetailOut:
+    """Report `name` in `root`, whole; 404 naming `path.name` when the name is not a report's."""
+    if not re.fullmatch(SIM_NAME_PATTERN, name) or ".." in name:
+        raise _not_found(name[:100], "a report name is one path segment: letters, digits, '.', '_', '-'")
+    path = _report_file(root, name) if root.is_dir() else None
+    if path is None:
+        raise _not_found(
+            name, f"no {name}/summary.json, {name}/compare.json or {name}.json in the reports directory"
+        )
+    try:
+        runs = _read_runs(path)
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(
+            422,
+            "invalid_report",
+            f"simulation report '{name}' cannot be read",
+            [("path.name", str(exc)[:200])],
+        ) from exc
+    return SimulationDetailOut(
+        name=name,
+        file=str(path.relative_to(root.resolve())),
+        modified_at=path.stat().st_mtime,
+        policies=list(runs),
+        runs=runs,
     )

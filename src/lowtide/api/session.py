@@ -11,7 +11,10 @@ revoked token logs its browser sessions out at once. `DELETE /v1/session` clears
 CSRF (OWASP CSRF Prevention Cheat Sheet, "Signed Double-Submit Cookie"/HMAC token pattern): a
 request authenticated by the cookie with an unsafe method (anything but GET, HEAD, OPTIONS) must
 carry `X-CSRF-Token`, the HMAC of the session cookie (given by `GET /v1/session`), and its
-`Origin` (else `Referer`) must be this server's own origin when the browser sends one. Requests
+`Origin` (else `Referer`) must be this server's own origin when the browser sends one: one of
+`api.dashboard_origins` when configured, else the origin named by the request's Host header.
+`api.public_url` is not used for this: it is the address steps reach the API at (the Helm chart
+sets it to the in-cluster Service), not the one browsers use. Requests
 with an `Authorization` header never read the cookie, so API clients are unaffected.
 Must not: store raw tokens or sessions anywhere (the cookie carries an id, never the secret),
 or decide what a principal may do (`api.auth` does).
@@ -37,7 +40,7 @@ from pydantic import BaseModel, Field
 
 from lowtide.api.errors import ApiError
 from lowtide.api.schemas import ErrorOut
-from lowtide.control.records import TokenRecord
+from lowtide.control.records import NotFound, TokenRecord
 from lowtide.store.repo import Store
 
 COOKIE = "lowtide_session"
@@ -142,11 +145,22 @@ def csrf_for(key: bytes, cookie_value: str) -> str:
 # -- checks ------------------------------------------------------------------------------------
 
 
+def _origin_of(url: str) -> str:
+    """`scheme://host[:port]` of a URL, lower case (RFC 6454 §4: an origin is scheme, host, port)."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}".lower()
+
+
 def _same_origin(request: Request) -> bool:
-    """Origin (else Referer), when the browser sends one, names this server."""
+    """Origin (else Referer), when the browser sends one, names this server: one of the configured
+    dashboard origins (`api.dashboard_origins`) when there are any, else the origin of the
+    request's own scheme and Host header (a value the client chooses, hence the setting)."""
     claimed = request.headers.get("origin") or request.headers.get("referer")
     if not claimed or claimed == "null":
         return claimed is None
+    configured = request.app.state.ctx.extra.get("dashboard_origins") or ()
+    if configured:
+        return _origin_of(claimed) in {o.rstrip("/").lower() for o in configured}
     parts = urlsplit(claimed)
     host = request.headers.get("host", "")
     return parts.netloc == host and parts.scheme == request.url.scheme
@@ -171,8 +185,11 @@ def session_token(request: Request, store: Store, now: float) -> TokenRecord | N
     )
     if found is None:
         raise expired
-    token = next((t for t in store.list_tokens() if t.id == found[0] and t.revoked_at is None), None)
-    if token is None or token.role not in _PEOPLE:
+    try:
+        token = store.token(found[0])
+    except NotFound:
+        raise expired from None
+    if token.revoked_at is not None or token.role not in _PEOPLE:
         raise expired
     if request.method not in SAFE_METHODS:
         sent = request.headers.get(CSRF_HEADER, "")

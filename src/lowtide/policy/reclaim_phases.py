@@ -11,7 +11,10 @@ requests, reclaim records, phases); the loop's executor gives notice. Must not: 
 Rules
 - Surge time: a service with a deficit (replicas it wants beyond those serving, starting or
   waking) keeps the time its deficit began (`surge_at`); a service without one forgets it. The
-  growing service is the one with the largest deficit (ties: name).
+  growing service is the one with the largest deficit (ties: name); with no deficit left (this
+  tick's replica actions already started what it wants on free GPUs, while its larger claim
+  shrank lending), the one with the most replicas starting or waking (`coming_up`) while lending
+  is open (a window closing or a fail safe takes GPUs back for no service), else none.
 - Needs: for each service the replica plan left blocked, services below `min_replicas` first
   (they may take steps inside their `min_runtime`), then by name: each sleeping replica (PARKED as
   `sleep`, by slot) with all of its `gpus_per_replica` GPUs needs those GPUs back (`exact`); each
@@ -21,12 +24,15 @@ Rules
 - Grace: min(the victim's job grace, the service's `reclaim_grace_s`) — the store takes the
   minimum; a victim for lending gets the largest `reclaim_grace_s` of all services (60 s: none).
 - A reclaim opens per need served (keyed by `Victim.for_need`), in the order of its first victim;
-  one for lending belongs to the growing service, if any. Its detected time is the service's
+  one for lending belongs to the growing service, if any (none: lending shrank for no replica —
+  a window closing, a growth or forecast reserve, a fail safe). Its detected time is the service's
   surge time, its replica the first need of that service naming one.
 - Phases of an OPEN reclaim: notice when every victim has notice (the latest notice), freed when
-  every victim has ended (the latest end); without a service it is DONE once freed; with one it
-  is DONE at the first time a replica of that service (the one named, if any) serves since the
-  decision, and ABANDONED when none does within `ABANDON_AFTER_S` of the GPUs being freed.
+  every victim has ended (the latest end); without a service it is DONE once freed (no replica
+  waits, so it has no `healthy_at`); with one it is DONE, with `healthy_at`, at the first time a
+  replica of that service (the one named, if any) serves since the decision, and ABANDONED when
+  none does within `ABANDON_AFTER_S` of the GPUs being freed: a reclaim for a service never ends
+  DONE without `healthy_at`.
 """
 
 from __future__ import annotations
@@ -168,6 +174,8 @@ def decide_reclaim(
         if missing > 0:
             surge.setdefault(service, now)
     growing = max((s for s, d in deficits.items() if d > 0), key=lambda s: (deficits[s], s), default=None)
+    if growing is None and envelope.lending_open:  # closed (window, fail safe): shrank for no service
+        growing = coming_up(replicas)
     phases, abandon_at = track_reclaims(now, reclaims, replicas)
     needs = replica_needs(specs, replicas, replica_plan)
     for need, _ in needs:
@@ -203,6 +211,16 @@ def decide_reclaim(
         decided_at=now,
         abandon_at=abandon_at,
     )
+
+
+def coming_up(replicas: Sequence[ReplicaView]) -> str | None:
+    """The service with the most replicas starting or waking (ties: name), or None: when lending
+    shrinks with no deficit left, the GPUs come back for the service whose claim grew this way."""
+    counts: dict[str, int] = {}
+    for r in replicas:
+        if r.state in (R.STARTING, R.WAKING):
+            counts[r.service] = counts.get(r.service, 0) + 1
+    return max(counts, key=lambda s: (counts[s], s), default=None)
 
 
 def replica_needs(

@@ -1,4 +1,4 @@
-"""The store's API tokens: mint, authenticate, list, revoke.
+"""The store's API tokens: mint, authenticate, read one, list, revoke.
 
 Only a token's SHA-256 (`token_codec.hash_token`, shared with the in-memory store) is stored; the
 raw token is returned once, by `create_token`. Roles (`ROLES`): admin, user, viewer, and step
@@ -77,6 +77,14 @@ class TokensRepo(StoreBase):
                 sa.select(tokens).where(tokens.c.token_hash == hash_token(raw), tokens.c.revoked_at.is_(None))
             ).first()
         return None if row is None else _record(row)
+
+    def token(self, token_id: int) -> TokenRecord:
+        """One token by id, revoked or not (step tokens too); NotFound if there is none."""
+        with self._read() as conn:
+            row = conn.execute(sa.select(tokens).where(tokens.c.id == token_id)).first()
+        if row is None:
+            raise NotFound(f"token {token_id} not found")
+        return _record(row)
 
     def list_tokens(self) -> list[TokenRecord]:
         with self._read() as conn:

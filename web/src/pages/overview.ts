@@ -41,7 +41,7 @@ export async function overviewPage(ctx: PageContext): Promise<void> {
   const reclaimBox = h("div", {});
   root.append(
     section("GPUs now", nowBox),
-    section("Last 24 hours", h("p", { class: "hint" }, "GPU-equivalents by holder, from the GPU ledger (30-minute buckets)."), timelineBox),
+    section("Last 24 hours", h("p", { class: "hint" }, "GPU-equivalents by holder, from the GPU ledger (30-minute buckets); parked: GPUs of replicas parked or asleep that research was not using."), timelineBox),
     h("div", { class: "cols" }, section("Services", servicesBox), section("Lending", lendingBox)),
     section("Reclaims in progress", reclaimBox),
   );
@@ -106,7 +106,9 @@ export async function overviewPage(ctx: PageContext): Promise<void> {
             ["Reclaim", "Service", "GPUs", "Detected", "Victims chosen", "Notice sent", "GPUs freed", "Replica healthy", "Elapsed"],
             reclaims.map((r) => [
               `#${r.id}`, r.service ?? "—", String(r.gpus), fmtTime(r.detected_at), fmtTime(r.decided_at),
-              fmtTime(r.notice_at), fmtTime(r.freed_at), fmtTime(r.healthy_at), fmtDuration(now() - r.detected_at),
+              fmtTime(r.notice_at), fmtTime(r.freed_at),
+              r.service === null ? "n/a: lending shrank, no replica waits" : fmtTime(r.healthy_at),
+              fmtDuration(now() - r.detected_at),
             ]),
           ),
     );
@@ -119,8 +121,15 @@ export async function overviewPage(ctx: PageContext): Promise<void> {
     lineChart(timelineBox, `GPUs by holder (capacity ${t.capacity})`, xs, [
       { label: "serving", color: "#2b6cb0", values: t.buckets.map((b) => b.serving) },
       { label: "research", color: "#2f855a", values: t.buckets.map((b) => b.research) },
-      { label: "free / lent idle", color: "#a0aec0", values: t.buckets.map((b) => b.idle) },
+      { label: "parked / sleeping", color: "#805ad5", values: t.buckets.map((b) => b.parked) },
+      { label: "free / lent idle", color: "#a0aec0", values: t.buckets.map((b) => b.free) },
     ], { stacked: true, yLabel: "GPUs" });
+    const last = t.buckets[t.buckets.length - 1];
+    if (last) {
+      timelineBox.append(h("p", { class: "hint" },
+        `Last 30 minutes: ${last.serving} serving, ${last.research} research (lent and used), `
+        + `${last.parked} parked or sleeping, ${last.free} free or lent and idle.`));
+    }
   }
 
   await Promise.all([drawNow(), drawTimeline()]);

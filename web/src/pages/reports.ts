@@ -1,7 +1,8 @@
 // Reports: a month's research GPU-hours per team against the month before, savings, preemption
-// losses; CSV export of the table (built in the browser from the same figures).
-import { ApiFailure, get, type Monthly, type MonthlyRow } from "../api";
-import { clear, h, section, table } from "../dom";
+// losses; CSV export of the table (built in the browser from the same figures); and the simulator's
+// reports (`lowtide simulate --out <api.simulation_reports_dir>/NAME`) when there are any.
+import { ApiFailure, get, type Monthly, type MonthlyRow, type SimulationReport } from "../api";
+import { clear, fmtTime, h, section, table } from "../dom";
 import type { PageContext } from "../main";
 
 const COLUMNS: [string, (r: MonthlyRow) => string][] = [
@@ -56,5 +57,46 @@ export async function reportsPage(ctx: PageContext): Promise<void> {
     );
   }
   form.addEventListener("submit", (e) => { e.preventDefault(); void draw(); });
-  await draw();
+  const sims = h("div", {});
+  root.append(section("Simulator reports", sims));
+  await Promise.all([draw(), drawSimulations(sims)]);
+}
+
+const num = (v: number | null | undefined, digits: number): string => (v === null || v === undefined ? "—" : v.toFixed(digits));
+
+async function drawSimulations(box: HTMLElement): Promise<void> {
+  let list: { reports: SimulationReport[] };
+  try {
+    list = await get<{ reports: SimulationReport[] }>("/v1/reports/simulations");
+  } catch (err) {
+    box.appendChild(h("p", { class: "error", role: "alert" }, err instanceof ApiFailure ? err.message : String(err)));
+    return;
+  }
+  if (list.reports.length === 0) {
+    box.appendChild(h("p", {}, "No simulator report yet. Run ", h("code", {}, "lowtide simulate … --out DIR/NAME"),
+      " with DIR the server's simulation reports directory (api.simulation_reports_dir; default STATE_DIR/simulations)."));
+    return;
+  }
+  const rows = list.reports.flatMap((r) =>
+    r.error !== null
+      ? [[r.name, "—", h("span", { class: "error" }, `unreadable: ${r.error}`), "", "", "", "", "", "", fmtTime(r.modified_at)]]
+      : r.runs.map((run) => {
+          const f = run.figures;
+          return [
+            r.name,
+            run.policy,
+            num(f.days, 2),
+            num(f.gpu_hours_harvested, 1),
+            f.harvest_efficiency === null || f.harvest_efficiency === undefined ? "—" : `${(f.harvest_efficiency * 100).toFixed(1)} %`,
+            num(f.preemptions, 0),
+            num(f.slo_violation_minutes, 1),
+            `${num(f.reclaim_latency_p50_s, 1)} / ${num(f.reclaim_latency_p99_s, 1)}`,
+            f.savings === null || f.savings === undefined ? "—" : `${f.savings.toFixed(2)} ${run.currency ?? ""}`.trim(),
+            fmtTime(r.modified_at),
+          ];
+        }),
+  );
+  box.appendChild(table(
+    ["Report", "Policy", "Days", "Harvested GPU-h", "Harvest efficiency", "Preemptions", "SLO violation (min)", "Reclaim p50 / p99 (s)", "Savings", "Written"],
+    rows, "One row per simulated policy; figures from each report's summary.json or compare.json"));
 }

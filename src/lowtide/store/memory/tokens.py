@@ -50,6 +50,14 @@ class TokensPart(MemoryBase):
             record = None if token_id is None else self._tokens[token_id]
         return record if record is not None and record.revoked_at is None else None
 
+    def token(self, token_id: int) -> TokenRecord:
+        """One token by id, revoked or not (step tokens too); NotFound if there is none."""
+        with self._lock:
+            record = self._tokens.get(token_id)
+        if record is None:
+            raise NotFound(f"token {token_id} not found")
+        return record
+
     def list_tokens(self) -> list[TokenRecord]:
         """Every token but step tokens, in id order."""
         with self._lock:
