@@ -126,9 +126,9 @@ def step_log(lt: Embedded, job_id: str, step: str, attempt: int | None = None) -
 def kill_steps_and_close(lt: Embedded) -> None:
     """Close an embedded lowtide after killing the process groups of its active attempts."""
     for att in lt.store.active_attempts():
-        if att.pid:
+        if att.handle and att.handle.isdigit():  # the local executor's handle: the shim's pid
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(att.pid, signal.SIGKILL)
+                os.killpg(int(att.handle), signal.SIGKILL)
     lt.close()
 
 

@@ -111,7 +111,7 @@ def test_a_secret_that_cannot_be_read_is_an_infrastructure_failure_until_it_can(
     assert detail.job.state.value != "FAILED"
     assert detail.steps[0].retries_used == 0  # not the step's failure
     for attempt in detail.attempts:
-        assert attempt.pid is None  # never started
+        assert attempt.handle is None  # never started
         assert "secret 'gone': cannot read its file" in attempt.message, attempt.message
         assert "No such file" in attempt.message and "not the step's failure" in attempt.message
     assert any(e.kind == "infrastructure_failure" for e in detail.events)
