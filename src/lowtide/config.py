@@ -677,6 +677,27 @@ class ArgoConfig(_Strict):
     #: `executor.kind: argo`: the kubeconfig file to reach the cluster (None: the pod's
     #: ServiceAccount in a cluster, else KUBECONFIG or ~/.kube/config).
     kubeconfig: str | None = None
+    #: Where Workflows are created, read and stopped (docs/cluster.md "Submission paths"): the
+    #: Kubernetes API, or argo-server's REST API (pods are always read through Kubernetes).
+    submit_via: Literal["kubernetes", "argo-server"] = "kubernetes"
+    #: `submit_via: argo-server`: its base URL, e.g. https://argo-server.argo:2746
+    server_url: str | None = None
+    #: A file holding the bearer token argo-server accepts (never the token itself in config).
+    server_token_file: str | None = None
+    server_verify_tls: bool = True
+
+    @field_validator("server_url")
+    @classmethod
+    def _server_url(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"https?://[^\s/]+(/\S*)?", v):
+            raise ValueError(f"{v!r} must be an http:// or https:// URL (e.g. https://argo-server.argo:2746)")
+        return v
+
+    @model_validator(mode="after")
+    def _argo_server(self) -> ArgoConfig:
+        if self.submit_via == "argo-server" and not self.server_url:
+            raise ValueError("server_url: required with submit_via: argo-server")
+        return self
 
     @field_validator("grace_margin_seconds", mode="before")
     @classmethod

@@ -641,7 +641,36 @@ def build_argo_executor(settings: Settings, store: Store) -> Executor:
             api_client = kube_api_client(argo.kubeconfig, setting="argo.kubeconfig")
         except ServeError as exc:
             raise ConfigError(str(exc)) from None
-    return ArgoExecutor(api_client, argo_settings, argo_workflows(store, argo_settings))
+    return ArgoExecutor(
+        api_client,
+        argo_settings,
+        argo_workflows(store, argo_settings),
+        workflows_api=argo_workflows_api(settings),
+    )
+
+
+def argo_workflows_api(settings: Settings) -> Any:
+    """Where the Argo executor creates Workflows (`argo.submit_via`; docs/cluster.md "Submission
+    paths"): None for the Kubernetes API (the executor's default), else argo-server's REST API
+    with the bearer token read from `argo.server_token_file`. Raises ConfigError naming the field."""
+    from lowtide.adapters.argo.workflow_store import ArgoServerWorkflows  # noqa: PLC0415 - cluster mode
+
+    argo = settings.argo
+    if argo.submit_via != "argo-server":
+        return None
+    if argo.server_url is None:  # config validation refuses this already
+        raise ConfigError("argo.server_url: required with argo.submit_via: argo-server")
+    token: str | None = None
+    if argo.server_token_file is not None:
+        try:
+            token = Path(argo.server_token_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(
+                f"argo.server_token_file: cannot read {argo.server_token_file}: {exc}"
+            ) from None
+        if not token:
+            raise ConfigError(f"argo.server_token_file: {argo.server_token_file} is empty")
+    return ArgoServerWorkflows(argo.server_url, token, argo.namespace, verify_tls=argo.server_verify_tls)
 
 
 def kube_api_client(kubeconfig: str | None = None, *, setting: str = "services[].manager: kubernetes") -> Any:

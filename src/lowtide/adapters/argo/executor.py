@@ -2,10 +2,12 @@
 
 Role: `ArgoExecutor` carries out the loop's orders in a cluster (docs/cluster.md "Jobs as Argo
 Workflows" and "The Argo executor at runtime"), with the real `kubernetes` client (36.x):
-`CustomObjectsApi` for Workflows, `CoreV1Api` for pods.
+`CoreV1Api` for pods, and a `workflow_store.WorkflowsApi` for Workflows (the Kubernetes API's
+`CustomObjectsApi`, or argo-server's REST API through Hera: `argo.submit_via`).
 Neighbours: `workflow.compile_workflow` builds the Workflow (the executor is given a
 `workflows(job_id)` callable by `wiring`), `node_status.classify_node` reads Argo's node, `pods`
-reads pods, `k8s_errors` classifies API errors; the loop (`control.loop`) decides everything.
+reads pods, `k8s_errors` classifies API errors (`workflow_store` those of the Workflow calls);
+the loop (`control.loop`) decides everything.
 Must not: decide retries or step states, touch the store, or read the clock (`now` comes in).
 
 Mechanism:
@@ -85,6 +87,7 @@ from lowtide.adapters.argo.workflow import (
     CompiledWorkflow,
     dns_label,
 )
+from lowtide.adapters.argo.workflow_store import KubernetesWorkflows, WorkflowExists, WorkflowsApi
 from lowtide.control.executor_port import (
     AdoptOutcome,
     AdoptRequest,
@@ -102,7 +105,6 @@ __all__ = ["ArgoExecutor", "parse_ref"]
 
 log = logging.getLogger(__name__)
 
-GROUP, VERSION, PLURAL = "argoproj.io", "v1alpha1", "workflows"
 _STRATEGIC = "application/strategic-merge-patch+json"
 _TERMINAL_WF = frozenset({"Succeeded", "Failed", "Error"})
 
@@ -151,12 +153,16 @@ class ArgoExecutor:
         unschedulable_bound_s: float = 600.0,
         kill_margin_s: float = 15.0,
         request_timeout_s: float = 10.0,
+        workflows_api: WorkflowsApi | None = None,
     ) -> None:
         """`workflows(job_id)` compiles a job's Workflow (wiring reads the job from the store);
-        it may raise ArgoCompileError (a permanent launch failure of the step)."""
+        it may raise ArgoCompileError (a permanent launch failure of the step). `workflows_api`
+        is where Workflows are created and read (default: the Kubernetes API of `api_client`)."""
         self._client = api_client
         self._core = client.CoreV1Api(api_client)
-        self._custom = client.CustomObjectsApi(api_client)
+        self._wf_api: WorkflowsApi = workflows_api or KubernetesWorkflows(
+            api_client, settings.namespace, request_timeout_s
+        )
         self._settings = settings
         self._ns = settings.namespace
         self._workflows = workflows
@@ -184,15 +190,8 @@ class ArgoExecutor:
         return [p for p in doc.get("items") or [] if isinstance(p, dict)]
 
     def _get_workflow(self, name: str) -> Obj | None:
-        try:
-            wf = self._custom.get_namespaced_custom_object(
-                GROUP, VERSION, self._ns, PLURAL, name, _request_timeout=self._timeout
-            )
-        except Exception as exc:
-            if k8s_errors.status_of(exc) == 404:
-                return None
-            raise
-        return wf if isinstance(wf, dict) else None
+        """The Workflow, None if there is none. Raises ExecutorError."""
+        return self._wf_api.get(name)
 
     def _grace(self, deadline: float, now: float) -> int:
         """The delete's grace: until the deadline plus the margin (at least 1 s; see the module
@@ -227,16 +226,10 @@ class ArgoExecutor:
             return
         compiled = self._workflows(job_id)
         try:
-            self._custom.create_namespaced_custom_object(
-                GROUP, VERSION, self._ns, PLURAL, compiled.manifest, _request_timeout=self._timeout
-            )
-        except Exception as exc:
-            if k8s_errors.status_of(exc) != 409:
-                raise self._error(exc, "create", "workflows") from exc
-            try:  # 409: AlreadyExists (an earlier try or process) or a conflict: read it back
-                found = self._get_workflow(compiled.name)
-            except Exception as exc2:
-                raise self._error(exc2, "get", "workflows") from exc2
+            self._wf_api.create(compiled.manifest)
+        except WorkflowExists as exc:
+            # 409: AlreadyExists (an earlier try or process) or a conflict: read it back
+            found = self._get_workflow(compiled.name)
             if found is None:
                 raise ExecutorError(
                     f"workflow {compiled.name}: create answered 409 but it cannot be read; will try again",
@@ -583,10 +576,7 @@ class ArgoExecutor:
         return AdoptResult(AdoptOutcome.EXITED, exit=self._to_exit(t, outcome, now))
 
     def _node_of_pod(self, pod_name: str) -> tuple[str, Mapping[str, Any]] | None:
-        listed = self._custom.list_namespaced_custom_object(
-            GROUP, VERSION, self._ns, PLURAL, label_selector=LABEL_JOB, _request_timeout=self._timeout
-        )
-        for wf in listed.get("items") or []:
+        for wf in self._wf_api.list(LABEL_JOB):
             wf_name = str((wf.get("metadata") or {}).get("name", ""))
             for node_id, node in ((wf.get("status") or {}).get("nodes") or {}).items():
                 if not isinstance(node, Mapping) or node.get("type") != "Pod":
@@ -679,24 +669,11 @@ class ArgoExecutor:
     def stop_workflow(self, job_id: str) -> bool:
         """Cancel a whole job in Argo: `spec.shutdown: Stop` (Argo deletes its pods and starts no
         more). False when there is no such Workflow. Raises ExecutorError."""
-        try:
-            self._custom.patch_namespaced_custom_object(
-                GROUP,
-                VERSION,
-                self._ns,
-                PLURAL,
-                job_id,
-                {"spec": {"shutdown": "Stop"}},
-                _request_timeout=self._timeout,
-            )
-        except Exception as exc:
-            if k8s_errors.status_of(exc) == 404:
-                return False
-            raise self._error(exc, "patch", "workflows") from exc
-        return True
+        return self._wf_api.stop(job_id)
 
     def close(self) -> None:
         """Stop watching (pods keep running; a later control plane adopts them)."""
+        self._wf_api.close()
         self._client.close()
 
 
