@@ -787,12 +787,13 @@ class ControlLoop:
     def _advance(self, job_ids: Iterable[str] | None, now: float) -> None:
         # `advance` is pure over an immutable view: a view it found nothing to change in (kept
         # by job) is not advanced again while the store hands back that same view (the in-memory
-        # store keeps a job's view until the job or a step moves). Rebuilt at each full sweep.
-        settled = self._settled_views
-        if job_ids is None:
+        # store keeps a job's view until the job or a step moves).
+        known = settled = self._settled_views
+        if job_ids is None:  # a full sweep keeps only the jobs it sees
             settled = self._settled_views = {}
         for view in self.store.job_views(job_ids):
-            if settled.get(view.job_id) is view:
+            if known.get(view.job_id) is view:
+                settled[view.job_id] = view
                 continue
             changes = advance(view)
             if changes.empty:

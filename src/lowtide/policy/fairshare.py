@@ -144,11 +144,14 @@ class TeamShares:
         now, h = snapshot.now, policy.half_life_s
         held: dict[str, float] = {}
         usage: dict[str, float] = dict(snapshot.team_usage)
-        for step in snapshot.running:
+        for step in snapshot.running:  # once per running step per decision: `decayed_integral` inlined
             g = len(step.gpus)
-            held[step.team] = held.get(step.team, 0.0) + g
-            since = min(step.started_at, now)
-            usage[step.team] = usage.get(step.team, 0.0) + decayed_integral(g, since, now, now, h)
+            team = step.team
+            held[team] = held.get(team, 0.0) + g
+            since = step.started_at if step.started_at <= now else now
+            # decayed_integral(g, since, now, now, h), whose first term is 2^0 = 1.0
+            used = 0.0 if now <= since else g * h / LN2 * (1.0 - math.exp2(-(now - since) / h))
+            usage[team] = usage.get(team, 0.0) + used
         return cls(held=held, usage=usage, pool_gpus=snapshot.total_gpus, policy=policy)
 
     def share(self, team: str) -> float:

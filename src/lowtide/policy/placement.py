@@ -13,13 +13,16 @@ one decision and is thrown away with it.
 Nodes sit in buckets by free count, so a lookup walks at most one bucket per possible count
 (≤ GPUs per node, 8 in practice) instead of every node. Each bucket keeps its names sorted
 lazily: sorting happens only after a `take` changed it, and takes are rare next to lookups
-(most queued steps only ask and wait).
+(most queued steps only ask and wait). The usable GPUs of each node (`_usable`: the pool minus
+the unavailable set) are remembered by the identity of the nodes and the set, which the loop
+hands every decision unchanged while inference keeps the same GPUs: a pure memo, never stale.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
 
+from lowtide.domain.gpus import GpuRef, Node
 from lowtide.policy.snapshot import Snapshot
 
 _NO_EXCLUSIONS: frozenset[str] = frozenset()
@@ -46,20 +49,19 @@ class FreeGpus:
     @classmethod
     def from_snapshot(cls, snapshot: Snapshot) -> FreeGpus:
         """The nodes' GPUs minus those of running steps, minus `snapshot.unavailable`."""
-        unavailable: dict[str, set[int]] = {}
-        for ref in snapshot.unavailable:
-            unavailable.setdefault(ref.node, set()).add(ref.index)
         held: dict[str, set[int]] = {}
         for step in snapshot.running:
-            held.setdefault(step.node, set()).update(step.gpus)
+            mine = held.get(step.node)
+            if mine is None:
+                held[step.node] = set(step.gpus)
+            else:
+                mine.update(step.gpus)
         free: dict[str, list[int]] = {}
         capacity: dict[str, int] = {}
-        for node in snapshot.nodes:
-            out = unavailable.get(node.name, set())
-            busy = held.get(node.name, set())
-            usable = [i for i in node.gpus if i not in out]
-            capacity[node.name] = len(usable)
-            free[node.name] = [i for i in usable if i not in busy]
+        for name, usable in _usable(snapshot.nodes, snapshot.unavailable):
+            capacity[name] = len(usable)
+            busy = held.get(name)
+            free[name] = [i for i in usable if i not in busy] if busy else list(usable)
         return cls(free, capacity)
 
     # --- queries -----------------------------------------------------------------------------
@@ -144,3 +146,41 @@ class FreeGpus:
             if node not in excluded_nodes:
                 return node
         return None
+
+
+# --- the usable GPUs of the pool -------------------------------------------------------------------
+
+_Usable = tuple[tuple[str, tuple[int, ...]], ...]
+# (id(nodes), id(unavailable)) -> (nodes, unavailable, usable): the arguments are kept, so their ids
+# cannot be reused while the entry lives, and a hit is checked by identity.
+_USABLE: dict[tuple[int, int], tuple[tuple[Node, ...], frozenset[GpuRef], _Usable]] = {}
+_USABLE_MAX = 64
+
+
+def _usable(nodes: tuple[Node, ...], unavailable: frozenset[GpuRef]) -> _Usable:
+    """Each node's GPU indices that are not `unavailable`, in the node's order: (name, indices).
+
+    A pure function of its arguments, remembered by their identity: the loop hands every decision
+    the same `nodes` and, while inference keeps the same GPUs, the same `unavailable` set, so the
+    pool is not walked GPU by GPU at every tick.
+    """
+    key = (id(nodes), id(unavailable))
+    hit = _USABLE.get(key)
+    if hit is not None and hit[0] is nodes and hit[1] is unavailable:
+        return hit[2]
+    out: dict[str, set[int]] = {}
+    for ref in unavailable:
+        out.setdefault(ref.node, set()).add(ref.index)
+    usable = tuple(
+        (
+            node.name,
+            tuple(i for i in node.gpus if i not in excluded)
+            if (excluded := out.get(node.name))
+            else node.gpus,
+        )
+        for node in nodes
+    )
+    if len(_USABLE) >= _USABLE_MAX:
+        _USABLE.clear()
+    _USABLE[key] = (nodes, unavailable, usable)
+    return usable

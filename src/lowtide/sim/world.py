@@ -96,6 +96,7 @@ class SimWorld:
         submit = scenario.policy != "none"  # nothing is lent under `none`: research never runs
         self._jobs = sorted(scenario.jobs, key=lambda j: (j.submit_s, j.name)) if submit else []
         self._next_job = 0
+        self._pool_gpus = scenario.pool_gpus
 
     # -- running -------------------------------------------------------------------------------
 
@@ -148,8 +149,7 @@ class SimWorld:
         """GPUs the last tick offered research that no step holds."""
         last = self.inference.last
         unavailable = len(last.unavailable) if last is not None else 0
-        held = sum(len(a.request.gpus) for a in self.executor.running.values())
-        return self.scenario.pool_gpus - unavailable - held
+        return self._pool_gpus - unavailable - self.executor.held_gpus
 
     # -- inputs --------------------------------------------------------------------------------
 
@@ -224,7 +224,7 @@ class SimWorld:
                 until=end,
                 replica_gpus=replica_gpus,
                 serving_gpus=serving_gpus,
-                research_gpus=sum(len(a.request.gpus) for a in self.executor.running.values()),
+                research_gpus=self.executor.held_gpus,
                 lendable_gpus=last.envelope.lendable_gpus if last is not None else 0,
                 queued_steps=len(self.loop.last_plan.waiting),
                 rate_rps=rate,
