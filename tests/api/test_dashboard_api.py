@@ -25,6 +25,7 @@ from lowtide.api import dashboard, session
 from lowtide.api.app import create_app
 from lowtide.control.clock import FakeClock
 from lowtide.domain.states import ReplicaState as R
+from lowtide.policy.lending_history import LendingPoint
 from lowtide.wiring import Embedded, build
 from support import embedded, kill_steps_and_close, settings_for
 
@@ -280,6 +281,42 @@ def test_timeline_splits_a_parked_replicas_gpus_from_free(tmp_path: Path) -> Non
         first, second = t["buckets"]
         assert (first["serving"], first["idle"], first["parked"], first["free"]) == (2.0, 4.0, 0.0, 4.0)
         assert (second["serving"], second["idle"], second["parked"], second["free"]) == (0.0, 6.0, 2.0, 4.0)
+    finally:
+        kill_steps_and_close(lt)
+
+
+def test_timeline_splits_idle_into_parked_lent_and_idle_and_free(tmp_path: Path) -> None:
+    clock = FakeClock()
+    lt = build(settings_for(tmp_path, auth={"enabled": True}), clock=clock)
+    try:
+        _, raw = token(lt, "alice", teams=["nlp"])
+        lt.loop.recover()
+        lt.loop.tick()  # every GPU idle in the ledger
+        t0 = clock.now()
+        lt.store.begin_replica(
+            replica_id="chat/0", service="chat", slot=0, port=9000, node="node-b", gpus=(0, 1),
+            wake=False, now=t0, reason="start",
+        )  # fmt: skip
+        for a, b in [(R.STARTING, R.SERVING), (R.SERVING, R.DRAINING), (R.DRAINING, R.PARKING)]:
+            lt.store.move_replica("chat/0", a, b, now=t0 + 900 * (b != R.SERVING), message=b.value)
+        lt.store.move_replica(
+            "chat/0", R.PARKING, R.PARKED, now=t0 + 900, message="asleep", parked_as="sleep"
+        )
+        # The envelope as the inference controller recorded it: 3 lendable from t0 (a point
+        # before the span, in force at its start), 6 from t0 + 900, none from t0 + 1350.
+        lt.store.record_lending(LendingPoint(t0 - 60, 3, "continuous"))
+        lt.store.record_lending(LendingPoint(t0 + 900, 6, "window"))
+        lt.store.record_lending(LendingPoint(t0 + 1350, 0, "window"))
+        clock.advance(1800)
+        client, _ = login(lt, raw)
+        t = client.get("/v1/pool/timeline", params={"hours": 0.5, "buckets": 2}).json()
+        keys = ("serving", "research", "idle", "parked", "lent_idle", "free")
+        first, second = ([b[k] for k in keys] for b in t["buckets"])
+        # Serving 2 of 6; of the 4 idle, the 3 lendable are lent and idle, 1 is free.
+        assert first == [2.0, 0.0, 4.0, 0.0, 3.0, 1.0]
+        # All 6 idle, 2 of them parked; lendable (6 × 450 s + 0 × 450 s) / 900 s = 3 of the other 4.
+        assert second == [0.0, 0.0, 6.0, 2.0, 3.0, 1.0]
+        assert all(b["idle"] == b["parked"] + b["lent_idle"] + b["free"] for b in t["buckets"])
     finally:
         kill_steps_and_close(lt)
 

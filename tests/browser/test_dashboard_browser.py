@@ -136,7 +136,10 @@ def test_login_overview_and_a_user_never_sees_another_teams_job(site: Site) -> N
     page.wait_for_selector(".uplot")
     timeline = page.locator(".chart").first
     expect(timeline.locator(".u-legend")).to_contain_text("parked / sleeping")
+    expect(timeline.locator(".u-legend")).to_contain_text("lent, idle")
+    expect(timeline).to_have_attribute("aria-label", re.compile(r"lent, idle, free$"))
     expect(timeline).to_contain_text("parked or sleeping")  # the text summary of the last bucket
+    expect(timeline).to_contain_text("lent and idle")
     shot(page, "02-overview")
     # a job holding node-a's four GPUs, and one that waits for them: the queue says why
     hog = site.submit(
@@ -399,6 +402,13 @@ def _fleet(now: float) -> tuple[str, str]:
             source_error=None,
             signals=[signals(r.id, 12.0, 3.0) for r in reps if r.state == "SERVING"],
             replicas=reps,
+            # The last ten minutes of load as the control plane kept it (a sample a minute).
+            load_history=[
+                services_api.LoadSampleOut(
+                    at=now - 60 * (10 - i), running=2.0 * i, waiting=max(0.0, i - 6.0), desired=1 + i // 5
+                )
+                for i in range(11)
+            ],
         )
 
     body = services_api.ServicesOut(
@@ -456,6 +466,7 @@ def test_services_and_a_reclaim_in_progress_are_drawn_from_the_api_shapes(site: 
     chat = page.get_by_role("region", name="chat")
     expect(chat).to_contain_text("2 serving, 1 starting, 1 parked")
     expect(chat).to_contain_text("scale up to 3")
-    expect(page.locator(".uplot").first).to_be_visible(timeout=15_000)  # the load chart, after two samples
+    expect(page.locator(".uplot").first).to_be_visible(timeout=15_000)  # the last hour's load chart
+    expect(chat).to_contain_text("chat: load over the last hour")
     shot(page, "11-services")
     page.close()

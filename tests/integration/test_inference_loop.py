@@ -4,6 +4,7 @@ GPUs research gets."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -270,3 +271,20 @@ def test_a_single_spike_does_not_preempt_more_than_the_step_cap_allows(tmp_path:
     preempted, most = preempted_by_a_spike(tmp_path / "uncapped", None)
     assert most == 4
     assert preempted == 6
+
+
+def test_the_services_page_gets_the_last_hour_of_load_from_the_control_plane(tmp_path: Path) -> None:
+    w = world(tmp_path)
+    w.tick(n=2)
+    w.sources["chat"].concurrency = 3.0
+    w.tick(n=30)  # 30 s of 1 s ticks: one sample every 5 s at most
+    w.sources["chat"].stale = True
+    w.tick(n=10)  # stale readings are no load sample
+    samples = w.inference.status["chat"].history.samples()
+    assert 7 <= len(samples) <= 9  # 32 s of readings
+    assert all(b.at - a.at >= 5 for a, b in itertools.pairwise(samples))
+    assert samples[-1].running == 3.0 and samples[-1].desired == 1
+    assert samples[-1].at <= w.clock.now() - 10  # nothing kept while stale
+    w.sources["chat"].stale = False
+    w.tick(dt=3600)  # an hour later: the hour before is dropped
+    assert [s.at for s in w.inference.status["chat"].history.samples()] == [w.clock.now()]

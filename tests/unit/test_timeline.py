@@ -1,17 +1,22 @@
-"""The dashboard timeline's parked share (`policy.timeline`): replica state events become parked
-intervals; a bucket's idle ledger time splits into parked (at most idle) and free."""
+"""The dashboard timeline's split of idle (`policy.timeline`): replica state events become parked
+intervals; the lending envelope's points become lendable GPU-equivalents; a bucket's idle ledger
+time splits into parked (at most idle), lent and idle (the envelope research left unused), and free."""
 
 from __future__ import annotations
 
 import pytest
 
 from lowtide.domain.states import ReplicaState
+from lowtide.policy.lending_history import LendingPoint
 from lowtide.policy.timeline import (
+    IdleSplit,
     ParkedNow,
     ParkedSpan,
     ReplicaMove,
+    lendable_gpus,
     parked_gpus,
     parked_spans,
+    split_bucket,
     split_idle,
 )
 
@@ -53,3 +58,35 @@ def test_parked_gpu_equivalents_per_bucket_and_the_split_of_idle() -> None:
     # Parked GPUs lent to research meanwhile are research in the ledger: parked is at most idle.
     assert split_idle(1.5, 4.0) == (1.5, 0.0)
     assert split_idle(3.0, 0.0) == (0.0, 3.0)
+
+
+def test_lendable_gpus_are_weighted_by_the_time_each_point_held_in_the_bucket() -> None:
+    points = [
+        LendingPoint(50.0, 4, "continuous"),  # in force when the bucket [100, 200) starts
+        LendingPoint(150.0, 6, "continuous"),
+        LendingPoint(175.0, 0, "window"),
+    ]
+    assert lendable_gpus(points, 100.0, 200.0) == pytest.approx((4 * 50 + 6 * 25 + 0 * 25) / 100)
+    # The last point holds until the bucket's end; the order given does not matter.
+    assert lendable_gpus(list(reversed(points)), 200.0, 300.0) == 0.0
+    assert lendable_gpus(points[:2], 200.0, 300.0) == 6.0
+    # Before the first point nothing is known, and unknown is not lendable.
+    assert lendable_gpus([LendingPoint(150.0, 8, "forecast")], 100.0, 200.0) == pytest.approx(4.0)
+    assert lendable_gpus([], 100.0, 200.0) == 0.0
+    with pytest.raises(ValueError, match="empty bucket"):
+        lendable_gpus(points, 5.0, 5.0)
+
+
+def test_idle_splits_into_parked_then_lent_and_idle_then_free() -> None:
+    # 8 idle, 2 parked; 5 lendable of which research used 1: 4 lent and idle, 2 free.
+    assert split_bucket(8.0, 2.0, 5.0, 1.0) == IdleSplit(2.0, 4.0, 2.0)
+    # The envelope is wider than what is left idle: all of the rest is lent and idle.
+    assert split_bucket(3.0, 1.0, 7.0, 0.0) == IdleSplit(1.0, 2.0, 0.0)
+    # Research used the whole envelope (or more, lent before it shrank): nothing lent is idle.
+    assert split_bucket(4.0, 0.0, 2.0, 2.0) == IdleSplit(0.0, 0.0, 4.0)
+    assert split_bucket(4.0, 0.0, 2.0, 3.5) == IdleSplit(0.0, 0.0, 4.0)
+    # No idle time at all: nothing to split, whatever the envelope says.
+    assert split_bucket(0.0, 2.0, 6.0, 0.0) == IdleSplit(0.0, 0.0, 0.0)
+    for idle, parked, lendable, research in [(6.0, 2.5, 3.25, 0.5), (1.0, 0.0, 0.25, 0.0)]:
+        s = split_bucket(idle, parked, lendable, research)
+        assert s.parked + s.lent_idle + s.free == pytest.approx(idle)

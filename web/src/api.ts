@@ -74,11 +74,13 @@ export interface Service {
   name: string; model: string; gpus_per_replica: number; min_replicas: number; max_replicas: number; park: string;
   desired: number | null; needed: number | null; target: number; reason: string; guard: string | null; blocked: string;
   alert: string; signals: Signals[]; replicas: Replica[]; per_signal: Record<string, number | null>;
+  load_history: LoadSample[];
 }
+export interface LoadSample { at: number; running: number; waiting: number; desired: number | null }
 export interface Lending { mode: string; lendable_gpus: number; inference_claim_gpus: number; reserve_gpus: number; lending_open: boolean; return_by: number | null; fail_safe: string | null; reasons: string[] }
 export interface Services { services: Service[]; lending: Lending | null }
 export interface Reclaim { id: number; service: string | null; replica_id: string | null; reason: string; gpus: number; victims: number[]; state: string; detected_at: number; decided_at: number; notice_at: number | null; freed_at: number | null; healthy_at: number | null; total_s: number | null }
-export interface Timeline { start: number; end: number; capacity: number; buckets: { start: number; end: number; serving: number; research: number; idle: number; parked: number; free: number }[] }
+export interface Timeline { start: number; end: number; capacity: number; buckets: { start: number; end: number; serving: number; research: number; idle: number; parked: number; lent_idle: number; free: number }[] }
 export interface SimulationRun { policy: string; figures: Record<string, number | null>; currency: string | null }
 export interface SimulationReport { name: string; file: string; modified_at: number; runs: SimulationRun[]; error: string | null }
 export interface Template { name: string; params: Record<string, unknown>; starter: string }

@@ -11,8 +11,10 @@ timeline and the job templates (docs/architecture.md §12).
   and a person may hold at most `MAX_STREAMS_PER_USER` at once (429 beyond).
 - `GET /v1/pool/timeline`: the last hours of the GPU ledger in equal buckets (GPU-equivalents
   serving, research, idle), one usage report per bucket (`store.usage_report`); the idle part is
-  split into parked (a replica PARKED: asleep or stopped) and free by `policy.timeline`, from the
-  replicas' state events (`store.service_events`, at most `TIMELINE_EVENTS` per service).
+  split into parked (a replica PARKED: asleep or stopped), lent and idle (inside the lending
+  envelope, unused by research) and free by `policy.timeline`, from the replicas' state events
+  (`store.service_events`, at most `TIMELINE_EVENTS` per service) and the envelope's recorded
+  history (`store.lending_points`; 48 h kept, so older buckets count nothing as lent).
 - `GET /v1/templates`: the templates' names, parameters and a starter spec for the editor.
 - `GET /v1/reports/simulations` and `/v1/reports/simulations/{name}`: the simulator's reports
   in `api.simulation_reports_dir` (read by `api.reports`), for the Reports page.
@@ -46,9 +48,10 @@ from lowtide.policy.timeline import (
     ParkedNow,
     ParkedSpan,
     ReplicaMove,
+    lendable_gpus,
     parked_gpus,
     parked_spans,
-    split_idle,
+    split_bucket,
 )
 
 #: Where `make web` puts the built front-end (git-ignored).
@@ -108,11 +111,16 @@ class TimelineBucket(BaseModel):
     end: float
     serving: float = Field(description="GPU-equivalents held by inference replicas")
     research: float = Field(description="GPU-equivalents held by research attempts (lent and used)")
-    idle: float = Field(description="GPU-equivalents held by nobody in the ledger: parked + free")
+    idle: float = Field(description="GPU-equivalents held by nobody in the ledger: parked + lent_idle + free")
     parked: float = Field(
         description="of idle: GPUs of replicas PARKED (asleep or stopped) and not lent out meanwhile"
     )
-    free: float = Field(description="of idle: neither held nor parked (free, or lent and unused)")
+    lent_idle: float = Field(
+        description="of idle, not parked: inside the lending envelope (lendable) but unused by research"
+    )
+    free: float = Field(
+        description="of idle: neither parked nor lent (the reserve and headroom inference keeps back)"
+    )
 
 
 class TimelineOut(BaseModel):
@@ -255,22 +263,25 @@ def install(app: FastAPI) -> None:
         start = end - hours * 3600.0
         width = (end - start) / buckets
         spans = _parked_spans(ctx, end)
+        points = ctx.store.lending_points(start, end)
         out: list[TimelineBucket] = []
         for i in range(buckets):
             lo, hi = start + i * width, start + (i + 1) * width
             totals = ctx.store.usage_report(lo, hi, group_by="day").totals
             span = hi - lo
             idle = totals.idle_gpu_seconds / span
-            parked, free = split_idle(idle, parked_gpus(spans, lo, hi))
+            research = totals.research_gpu_seconds / span
+            split = split_bucket(idle, parked_gpus(spans, lo, hi), lendable_gpus(points, lo, hi), research)
             out.append(
                 TimelineBucket(
                     start=lo,
                     end=hi,
                     serving=round(totals.inference_gpu_seconds / span, 3),
-                    research=round(totals.research_gpu_seconds / span, 3),
+                    research=round(research, 3),
                     idle=round(idle, 3),
-                    parked=round(parked, 3),
-                    free=round(free, 3),
+                    parked=round(split.parked, 3),
+                    lent_idle=round(split.lent_idle, 3),
+                    free=round(split.free, 3),
                 )
             )
         capacity = float(sum(n.gpu_count for n in ctx.nodes))

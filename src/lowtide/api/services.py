@@ -61,6 +61,13 @@ class SignalsOut(BaseModel):
     stale_reason: str
 
 
+class LoadSampleOut(BaseModel):
+    at: float
+    running: float = Field(description="requests running on the fresh replicas")
+    waiting: float = Field(description="requests waiting on the fresh replicas")
+    desired: int | None = Field(description="replicas the autoscaler wanted then")
+
+
 class ServiceOut(BaseModel):
     name: str
     model: str
@@ -82,6 +89,10 @@ class ServiceOut(BaseModel):
     source_error: str | None
     signals: list[SignalsOut]
     replicas: list[ReplicaOut]
+    load_history: list[LoadSampleOut] = Field(
+        default_factory=list,
+        description="the last hour of load, a sample every 5 s at most (in memory since lowtide started)",
+    )
 
 
 class LendingOut(BaseModel):
@@ -173,6 +184,11 @@ def service_out(inference: InferenceController, name: str, replicas: list[Replic
         "source_error": status.signals.source_error if status.signals else None,
         "signals": [signals_out(s) for s in status.signals.replicas] if status.signals else [],
         "replicas": [replica_out(r) for r in replicas if r.service == name],
+        # The last hour of load, one sample every 5 s at most (control.load_history; in memory).
+        "load_history": [
+            {"at": x.at, "running": x.running, "waiting": x.waiting, "desired": x.desired}
+            for x in status.history.samples()
+        ],
     }
 
 

@@ -10,9 +10,10 @@ snapshot: an immutable `policy.inference_snapshot.InferenceSnapshot`, with the m
 decisions carry between ticks (`InferenceMemory`, kept here).
 decide: `policy.inference.decide_inference` (scale, alerts, envelope, replica plan, reclaims,
 the GPUs research may not take, when to decide again).
-act: alerts written; each replica action booked in the store first (GPUs in the ledger), then
-carried out through the service manager (a hung replica's `restart`: booked FAILED, then killed
-through `KillsReplicas.kill` where the manager has it, else stopped); the gateway told which
+act: alerts written; the envelope recorded when `policy.lending_history.record_due` says so;
+each replica action booked in the store first (GPUs in the ledger), then carried out through the
+service manager (a hung replica's `restart`: booked FAILED, then killed through
+`KillsReplicas.kill` where the manager has it, else stopped); the gateway told which
 replicas serve; the reclaim decision booked by `control.reclaimer`; the forecast profiles saved
 now and then. Every item is handled on its own: `StaleState` / `GpuBusy` skip it, any other
 error is logged, and either asks for a follow-up tick (`InferenceTick.changed`); when a replica
@@ -42,6 +43,7 @@ from lowtide.control.inference_ports import (
     ServiceManager,
 )
 from lowtide.control.lease import LeaseGuard
+from lowtide.control.load_history import LoadHistory
 from lowtide.control.reclaimer import Reclaimer, ReclaimStore
 from lowtide.control.records import GpuBusy, ReplicaRecord, StaleState, StoreUnavailable
 from lowtide.domain.gpus import GpuRef, Node, cuda_visible_devices
@@ -65,6 +67,7 @@ from lowtide.policy.inference_snapshot import (
     ServiceRules,
 )
 from lowtide.policy.lending import Envelope, GpuShare, gpu_shares
+from lowtide.policy.lending_history import LendingPoint, record_due
 from lowtide.policy.reclaim import ReclaimPlan
 from lowtide.policy.replicas import ReplicaAction, ReplicaPlan, ReplicaView
 from lowtide.policy.snapshot import RunningStep
@@ -124,6 +127,8 @@ class InferenceStore(ReclaimStore, Protocol):
 
     def put_state(self, key: str, value: Any, *, now: float) -> None: ...
 
+    def record_lending(self, point: LendingPoint) -> None: ...
+
 
 @dataclass(frozen=True)
 class ServiceSetup:
@@ -176,6 +181,8 @@ class ServiceStatus:
     blocked: str = ""
     target: int = 0
     alert: str = ""  # something an operator must look at (e.g. replicas that never become healthy)
+    #: The recent load, for the dashboard's charts (`control.load_history`).
+    history: LoadHistory = field(default_factory=LoadHistory)
 
 
 @dataclass(frozen=True)
@@ -229,6 +236,8 @@ class InferenceController:
         self._views: dict[int, tuple[ReplicaRecord, ReplicaView]] = {}
         # The sleeping replicas of the last tick and their `gpu_shares` (see `_gpu_shares`).
         self._shares: tuple[_Asleep, Mapping[GpuRef, GpuShare]] | None = None
+        #: The envelope point recorded last (None: none since this controller started).
+        self._lending_recorded: LendingPoint | None = None
 
     @property
     def scale_states(self) -> Mapping[str, ScaleState]:
@@ -293,6 +302,7 @@ class InferenceController:
             gpu_shares=self._gpu_shares(plan.replicas),
         )
         self.last = result
+        self._record_lending(plan.envelope, now)
         self._save_memory(now)
         self._save_profiles(now)
         return result
@@ -419,6 +429,7 @@ class InferenceController:
             status.target = outcome.target
             status.blocked = outcome.blocked
             status.alert = outcome.alert
+            status.history.add(outcome.signals, outcome.decision.desired if outcome.decision else None)
 
     def _write_alerts(self, plan: InferencePlan) -> bool:
         failed = False
@@ -584,6 +595,25 @@ class InferenceController:
             return
         self._saved_memory = (decisions, document["services"])
         self._saved_memory_at = now
+
+    # -- the envelope's history (the dashboard's timeline) -------------------------------------
+
+    def _record_lending(self, envelope: Envelope, now: float) -> None:
+        """Record the envelope when it changed, and every few minutes otherwise; a failed write
+        is tried again at the next tick (the last recorded point stays the one written)."""
+        lendable, mode = envelope.lendable_gpus, self.lending.mode
+        if not record_due(self._lending_recorded, lendable, mode, now=now):
+            return
+        point = LendingPoint(now, lendable, mode)
+        try:
+            self.store.record_lending(point)
+        except StoreUnavailable as exc:  # an outage: the loop already says so, once
+            log.debug("recording the lending envelope failed (%s); the next tick tries again", exc)
+            return
+        except Exception:
+            log.exception("recording the lending envelope failed; the next tick tries again")
+            return
+        self._lending_recorded = point
 
     # -- the forecast profile ------------------------------------------------------------------
 

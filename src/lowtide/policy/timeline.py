@@ -1,6 +1,6 @@
 """The dashboard's GPU timeline, as arithmetic: how many GPU-equivalents were parked (a replica
-PARKED, asleep or stopped) in each bucket, and how a bucket's idle ledger time splits into parked
-and free (pure; docs/architecture.md §8.1, §12).
+PARKED, asleep or stopped) or lendable in each bucket, and how a bucket's idle ledger time splits
+into parked, lent and idle, and free (pure; docs/architecture.md §8.1, §12).
 
 Why it is needed: the GPU ledger books a PARKED replica's GPUs as `idle` (they are lendable,
 `domain.states.ReplicaState`), so the ledger alone cannot tell a parked replica's GPUs (with
@@ -16,9 +16,16 @@ Rules
 - A parked replica's GPUs may be lent to research meanwhile (that time is research in the ledger),
   so the parked share shown is at most the bucket's idle share: parked = min(parked, idle), and
   free = idle − parked. The ledger's totals stay exact; only the idle part is split.
-Neighbours: `api.dashboard` reads the events, the replicas and one usage report per bucket from
-the store and calls `split_idle`. Must not: read the clock (`now` is passed), do I/O, or touch the
-ledger's own totals.
+- Lendable GPU-equivalents in a bucket = the lending envelope's `lendable_gpus`, weighted by the
+  time each recorded point (`policy.lending_history`) held inside the bucket; a point holds until
+  the next one, and before the first point read the bucket counts nothing lendable.
+- Of the rest of idle (idle − parked), the part inside the envelope that research did not use is
+  lent and idle: lent_idle = min(idle − parked, lendable − research), at least 0; free = what is
+  left (the reserve and headroom inference keeps back, or GPUs no envelope covered). So
+  idle = parked + lent_idle + free, exactly.
+Neighbours: `api.dashboard` reads the events, the replicas, the envelope's points and one usage
+report per bucket from the store and calls `split_bucket`. Must not: read the clock (`now` is
+passed), do I/O, or touch the ledger's own totals.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from lowtide.domain.states import ReplicaState
+from lowtide.policy.lending_history import LendingPoint
 
 #: Event kinds that are replica state moves (the new state, lower case).
 STATE_KINDS = frozenset(s.value.lower() for s in ReplicaState)
@@ -107,3 +115,34 @@ def split_idle(idle: float, parked: float) -> tuple[float, float]:
     """(parked, free): the bucket's idle GPU-equivalents, the parked share first (at most idle)."""
     shown = max(0.0, min(parked, idle))
     return shown, max(0.0, idle - shown)
+
+
+def lendable_gpus(points: Sequence[LendingPoint], start: float, end: float) -> float:
+    """Lendable GPU-equivalents over [start, end): each point's `lendable_gpus` times the part of
+    the bucket it held (from its `at` until the next point's), ÷ the bucket's length. Before the
+    first point nothing counts (unknown is not lendable)."""
+    if end <= start:
+        raise ValueError(f"empty bucket [{start}, {end})")
+    ordered = sorted(points, key=lambda p: p.at)
+    seconds = 0.0
+    for i, p in enumerate(ordered):
+        until = ordered[i + 1].at if i + 1 < len(ordered) else end
+        seconds += p.lendable_gpus * max(0.0, min(until, end) - max(p.at, start))
+    return seconds / (end - start)
+
+
+@dataclass(frozen=True, slots=True)
+class IdleSplit:
+    """A bucket's idle GPU-equivalents, split: parked + lent_idle + free = idle."""
+
+    parked: float
+    lent_idle: float
+    free: float
+
+
+def split_bucket(idle: float, parked: float, lendable: float, research: float) -> IdleSplit:
+    """Split a bucket's idle GPU-equivalents: parked first (`split_idle`), then of the rest the
+    part of the envelope research left unused (lendable − research), then free."""
+    shown, rest = split_idle(idle, parked)
+    lent_idle = max(0.0, min(rest, lendable - research))
+    return IdleSplit(shown, lent_idle, max(0.0, rest - lent_idle))

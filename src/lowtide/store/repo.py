@@ -6,8 +6,9 @@ engine, `open`/`close`, the `_read()`/`_write()` transaction helpers, `instance_
 and accounting), `attempts_repo.AttemptsRepo` (the control loop's side; `control.loop` uses it
 through `control.ports.StorePort`), `replicas_repo.ReplicasRepo` (inference replicas, service
 events), `reports_repo.ReportsRepo` (usage reports), `tokens_repo.TokensRepo` (API tokens) and
-`state_repo.StateRepo` (what the controllers remember across a restart); `lease_repo.LeaseRepo`
-(the one active control plane's lease and fencing token).
+`state_repo.StateRepo` (what the controllers remember across a restart), `lending_repo.LendingRepo`
+(the lending envelope's history); `lease_repo.LeaseRepo` (the one active control plane's lease and
+fencing token).
 Callers import `Store` (and `hash_token`) from here and never from the parts.
 Methods return records (`control.records`), never live rows. `store.memory.MemoryStore` has the
 same public methods, signatures and errors over Python objects; the rules both apply are pure
@@ -21,6 +22,7 @@ from __future__ import annotations
 from lowtide.store.attempts_repo import AttemptsRepo
 from lowtide.store.jobs_repo import JobsRepo
 from lowtide.store.lease_repo import LeaseRepo
+from lowtide.store.lending_repo import LendingRepo
 from lowtide.store.pool_repo import PoolRepo
 from lowtide.store.replicas_repo import ReplicasRepo
 from lowtide.store.reports_repo import ReportsRepo
@@ -30,5 +32,7 @@ from lowtide.store.tokens_repo import ROLES, TokensRepo, hash_token
 __all__ = ["ROLES", "Store", "hash_token"]
 
 
-class Store(JobsRepo, PoolRepo, AttemptsRepo, ReplicasRepo, ReportsRepo, TokensRepo, StateRepo, LeaseRepo):
+class Store(
+    JobsRepo, PoolRepo, AttemptsRepo, ReplicasRepo, ReportsRepo, TokensRepo, StateRepo, LendingRepo, LeaseRepo
+):
     """The whole store: every part over one engine (see the module docstring)."""

@@ -284,3 +284,17 @@ control_state = sa.Table(
     sa.Column("value", sa.JSON, nullable=False),
     sa.Column("updated_at", Time, nullable=False),
 )
+
+# The lending envelope's history (0008): from `at` on, research could hold at most `lendable_gpus`
+# GPUs under lending `mode`. The inference controller writes a row when the envelope changes and
+# every few minutes otherwise, and deletes rows older than 48 h (`policy.lending_history`); the
+# dashboard's timeline reads it to split idle GPUs into lent-and-idle and free.
+lending_history = sa.Table(
+    "lending_history",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("at", Time, nullable=False),
+    sa.Column("lendable_gpus", sa.Integer, nullable=False),
+    sa.Column("mode", sa.String(16), nullable=False),
+    sa.Index(None, "at"),
+)

@@ -41,7 +41,7 @@ export async function overviewPage(ctx: PageContext): Promise<void> {
   const reclaimBox = h("div", {});
   root.append(
     section("GPUs now", nowBox),
-    section("Last 24 hours", h("p", { class: "hint" }, "GPU-equivalents by holder, from the GPU ledger (30-minute buckets); parked: GPUs of replicas parked or asleep that research was not using."), timelineBox),
+    section("Last 24 hours", h("p", { class: "hint" }, "GPU-equivalents by holder, from the GPU ledger (30-minute buckets); parked: GPUs of replicas parked or asleep that research was not using; lent, idle: GPUs inside the lending envelope that no research used; free: GPUs inference kept back (reserve, headroom) or no envelope covered."), timelineBox),
     h("div", { class: "cols" }, section("Services", servicesBox), section("Lending", lendingBox)),
     section("Reclaims in progress", reclaimBox),
   );
@@ -122,13 +122,14 @@ export async function overviewPage(ctx: PageContext): Promise<void> {
       { label: "serving", color: "#2b6cb0", values: t.buckets.map((b) => b.serving) },
       { label: "research", color: "#2f855a", values: t.buckets.map((b) => b.research) },
       { label: "parked / sleeping", color: "#805ad5", values: t.buckets.map((b) => b.parked) },
-      { label: "free / lent idle", color: "#a0aec0", values: t.buckets.map((b) => b.free) },
+      { label: "lent, idle", color: "#d69e2e", values: t.buckets.map((b) => b.lent_idle) },
+      { label: "free", color: "#a0aec0", values: t.buckets.map((b) => b.free) },
     ], { stacked: true, yLabel: "GPUs" });
     const last = t.buckets[t.buckets.length - 1];
     if (last) {
       timelineBox.append(h("p", { class: "hint" },
         `Last 30 minutes: ${last.serving} serving, ${last.research} research (lent and used), `
-        + `${last.parked} parked or sleeping, ${last.free} free or lent and idle.`));
+        + `${last.parked} parked or sleeping, ${last.lent_idle} lent and idle, ${last.free} free.`));
     }
   }
 

@@ -1,18 +1,15 @@
 // Services: replicas by state, desired vs actual with the last decision's reasons, and charts of
-// each service's load as sampled while the page is open.
+// each service's load over the last hour (kept by the control plane since it started).
 import { get, type Services } from "../api";
-import { clear, fmtTime, h, now, section, stateBadge, table } from "../dom";
+import { clear, fmtTime, h, section, stateBadge, table } from "../dom";
 import type { PageContext } from "../main";
 import { lineChart } from "./chart";
-
-interface Sample { t: number; running: number; waiting: number; serving: number }
 
 export async function servicesPage(ctx: PageContext): Promise<void> {
   const root = ctx.root;
   root.appendChild(h("h1", {}, "Services"));
   const body = h("div", {});
   root.appendChild(body);
-  const history = new Map<string, Sample[]>();
 
   async function draw(): Promise<void> {
     const data = await get<Services>("/v1/services");
@@ -24,15 +21,7 @@ export async function servicesPage(ctx: PageContext): Promise<void> {
     for (const sv of data.services) {
       const counts: Record<string, number> = {};
       for (const r of sv.replicas) counts[r.state] = (counts[r.state] ?? 0) + 1;
-      const samples = history.get(sv.name) ?? [];
-      samples.push({
-        t: now(),
-        running: sv.signals.reduce((a, x) => a + (x.running ?? 0), 0),
-        waiting: sv.signals.reduce((a, x) => a + (x.waiting ?? 0), 0),
-        serving: counts["SERVING"] ?? 0,
-      });
-      if (samples.length > 720) samples.shift();
-      history.set(sv.name, samples);
+      const samples = sv.load_history ?? [];
       const chart = h("div", { class: "chart" });
       body.appendChild(section(
         `${sv.name}`,
@@ -52,13 +41,13 @@ export async function servicesPage(ctx: PageContext): Promise<void> {
         chart,
       ));
       if (samples.length > 1) {
-        lineChart(chart, `${sv.name}: load while this page is open`, samples.map((x) => x.t), [
+        lineChart(chart, `${sv.name}: load over the last hour`, samples.map((x) => x.at), [
           { label: "requests running", color: "#2b6cb0", values: samples.map((x) => x.running) },
           { label: "requests waiting", color: "#c05621", values: samples.map((x) => x.waiting) },
-          { label: "replicas serving", color: "#2f855a", values: samples.map((x) => x.serving) },
+          { label: "replicas desired", color: "#2f855a", values: samples.map((x) => x.desired ?? 0) },
         ], { height: 180 });
       } else {
-        chart.appendChild(h("p", { class: "hint" }, "The load chart fills in as samples arrive (every 5 s)."));
+        chart.appendChild(h("p", { class: "hint" }, "The load chart fills in as the control plane reads the load (a sample every 5 s)."));
       }
     }
   }

@@ -53,6 +53,7 @@ from lowtide.domain.states import (
 from lowtide.policy import attempt_rules as rules
 from lowtide.policy.dag import JobView, StepView
 from lowtide.policy.job_rules import is_open_step, job_may_move_counted
+from lowtide.policy.lending_history import LendingPoint
 from lowtide.policy.snapshot import QueuedStep, RunningStep
 from lowtide.store.convert import attempt_record
 from lowtide.store.memory.ledger import Ledger
@@ -110,6 +111,9 @@ class MemoryBase:
         self._fence: Fence | None = None
         self._on_fenced: Callable[[FencedOut], None] | None = None
         self._control_state: dict[str, tuple[str, float]] = {}  # key -> (JSON text, updated_at)
+        # the lending envelope's history (`lending.LendingPart`): ((at, seq), point), by time
+        self._lending: list[tuple[tuple[float, int], LendingPoint]] = []
+        self._lending_seq = itertools.count(1)
 
     @classmethod
     def open(cls, url: str, *, migrate_schema: bool = True, busy_timeout_s: float = 5.0) -> Self:
