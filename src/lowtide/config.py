@@ -159,6 +159,9 @@ class AuthConfig(_Strict):
     enabled: bool = True
     #: Where the embedded mode stores the admin token it creates on first start (mode 0600).
     admin_token_file: str | None = None
+    #: A file holding the admin token to use instead of creating one (a Kubernetes Secret mounted
+    #: read-only): registered in the store once, shared by every control plane (cluster mode).
+    admin_token_source: str | None = None
 
 
 class SchedulerConfig(_Strict):

@@ -13,6 +13,7 @@ import fcntl
 import logging
 import math
 import os
+import re
 import secrets
 import signal
 import socket
@@ -105,8 +106,42 @@ def resolve_nodes(settings: Settings) -> tuple[Node, ...]:
     return tuple(nodes)
 
 
-def ensure_admin_token(store: Store, path: Path, now: float) -> str | None:
-    """Create an admin token on first start (or when its file is gone) and store it with mode 0600."""
+#: What an admin token given in `auth.admin_token_source` must look like (`token_codec.new_raw_token`'s
+#: shape, at least as long): "lt_" and 32+ URL-safe characters.
+ADMIN_TOKEN_SHAPE = re.compile(r"lt_[A-Za-z0-9_-]{32,}")
+
+
+def register_admin_token(store: Store, source: Path, now: float) -> bool:
+    """Register the admin token held in `source` (`auth.admin_token_source`) unless the store has it
+    already: several control planes may start from one Secret at once (the store's unique token
+    hash keeps one row). True when this call registered it. Raises ServeError naming the setting."""
+    try:
+        raw = source.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ServeError(f"auth.admin_token_source: cannot read {source}: {exc}") from None
+    if not ADMIN_TOKEN_SHAPE.fullmatch(raw):
+        raise ServeError(
+            f"auth.admin_token_source: {source} must hold one token: 'lt_' and at least 32 URL-safe "
+            "characters (make one with: python -c "
+            "\"import secrets; print('lt_' + secrets.token_urlsafe(32))\")"
+        )
+    if store.authenticate(raw) is not None:
+        return False
+    try:
+        store.create_token(name="admin", owner="admin", role="admin", now=now, raw=raw)
+    except Exception:  # another control plane registered it first (unique hash), or the store failed
+        if store.authenticate(raw) is None:
+            raise
+        return False
+    return True
+
+
+def ensure_admin_token(store: Store, path: Path, now: float, source: Path | None = None) -> str | None:
+    """Create an admin token on first start (or when its file is gone) and store it with mode 0600;
+    with `source` (`auth.admin_token_source`), register that token instead and create none."""
+    if source is not None:
+        register_admin_token(store, source, now)
+        return None
     if path.exists():
         return None
     _, raw = store.create_token(name="admin", owner="admin", role="admin", now=now)
@@ -1005,7 +1040,10 @@ def serve(
         lock.close()
         raise
     if settings.auth.enabled:
-        created = ensure_admin_token(lt.store, settings.admin_token_path, lt.clock.now())
+        source = settings.auth.admin_token_source
+        created = ensure_admin_token(
+            lt.store, settings.admin_token_path, lt.clock.now(), Path(source) if source else None
+        )
         if created and announce:
             log.warning("created an admin token in %s (mode 0600)", settings.admin_token_path)
     # One active control plane (docs/architecture.md §4.4): act only while holding the lease.

@@ -114,6 +114,7 @@ SCENARIOS: dict[str, tuple[dict[str, Any], str, str]] = {
                     "kubernetes": {"namespace": "no", "deployment": "chat-vllm"},
                 }
             ],
+            "adminToken": {"existingSecret": "lowtide-admin", "key": "admin-token"},
             "extraConfig": {"tick_seconds": 1.5, "scheduler": {"team_quotas": {"vision": 8}}},
             "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}},
             "nodeSelector": {"kubernetes.io/os": "linux"},
@@ -461,6 +462,9 @@ def test_config_runs_argo_with_kubernetes_services(chart: Any) -> None:
         ("chat", "kubernetes", "stop")
     ]
     assert config["tick_seconds"] == 1.5 and config["scheduler"] == {"team_quotas": {"vision": 8}}
+    # Every pod registers the admin token of the Secret instead of minting its own.
+    assert config["auth"] == {"admin_token_source": "/etc/lowtide-admin/token"}
+    assert "auth" not in config_of(rendered(chart, "defaults"))
     # Only the holder of the release's Lease acts (adapters.k8s_lease, in front of the store's lease).
     assert config["control"] == {
         "lease_backend": "kubernetes",
@@ -477,6 +481,22 @@ def test_the_charts_config_is_what_lowtide_accepts(chart: Any, scenario: str) ->
         raise AssertionError(f"lowtide refuses the chart's lowtide.yaml: {exc.errors()}") from exc
     assert settings.executor.kind == "argo"
     assert settings.control.lease_backend == "kubernetes"
+    if scenario == "custom-names":
+        assert settings.auth.admin_token_source == "/etc/lowtide-admin/token"
+
+
+def test_the_admin_token_secret_is_mounted_read_only_where_the_config_says(chart: Any) -> None:
+    pod = one(rendered(chart, "custom-names"), "Deployment")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert {"name": "admin-token", "mountPath": "/etc/lowtide-admin", "readOnly": True} in container[
+        "volumeMounts"
+    ]
+    assert {
+        "name": "admin-token",
+        "secret": {"secretName": "lowtide-admin", "items": [{"key": "admin-token", "path": "token"}]},
+    } in pod["volumes"]
+    plain = one(rendered(chart, "defaults"), "Deployment")["spec"]["template"]["spec"]
+    assert all(v["name"] != "admin-token" for v in plain["volumes"])
 
 
 # -- RBAC ---------------------------------------------------------------------------------------------

@@ -22,6 +22,8 @@ import yaml
 
 #: Where the control plane keeps its state (an emptyDir: the store is PostgreSQL) and its config.
 STATE_DIR = "/var/lib/lowtide"
+#: Where the admin token Secret is mounted (`auth.admin_token_source`).
+ADMIN_TOKEN_DIR = "/etc/lowtide-admin"  # noqa: S105 (a mount path, not a token)
 CONFIG_DIR = "/etc/lowtide"
 #: The pod's user: any non-root uid works, the image must not need root.
 RUN_AS = 10001
@@ -103,6 +105,11 @@ def lowtide_config(values: Mapping[str, Any], release: Release) -> dict[str, Any
             "public_url": f"http://{release.name}.{release.namespace}.svc:{values['service']['port']}",
         },
         "executor": {"kind": "argo"},
+        **(
+            {"auth": {"admin_token_source": f"{ADMIN_TOKEN_DIR}/token"}}
+            if values["adminToken"]["existingSecret"]
+            else {}
+        ),
         # Only the holder of the release's Lease acts (`adapters.k8s_lease`); the store's lease
         # and its fencing stay behind it.
         "control": {
@@ -188,6 +195,11 @@ def _deployment(
         {"name": "state", "mountPath": STATE_DIR},
         {"name": "tmp", "mountPath": "/tmp"},  # noqa: S108 (an emptyDir: the root filesystem is read-only)
     ]
+    admin_secret = values["adminToken"]["existingSecret"]
+    if admin_secret:  # every pod registers the same admin token instead of minting its own
+        container["volumeMounts"].append(
+            {"name": "admin-token", "mountPath": ADMIN_TOKEN_DIR, "readOnly": True}
+        )
     pod: dict[str, Any] = {
         "serviceAccountName": release.name,
         "securityContext": {
@@ -204,6 +216,16 @@ def _deployment(
             {"name": "tmp", "emptyDir": {}},
         ],
     }
+    if admin_secret:
+        pod["volumes"].append(
+            {
+                "name": "admin-token",
+                "secret": {
+                    "secretName": admin_secret,
+                    "items": [{"key": values["adminToken"]["key"], "path": "token"}],
+                },
+            }
+        )
     for key in ("nodeSelector", "tolerations", "affinity"):
         if values[key]:
             pod[key] = copy.deepcopy(values[key])

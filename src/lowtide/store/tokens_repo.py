@@ -51,9 +51,12 @@ class TokensRepo(StoreBase):
         attempt_id: int | None = None,
         teams: Sequence[str] | None = None,
         max_priority: int | None = None,
+        raw: str | None = None,
     ) -> tuple[TokenRecord, str]:
+        """A new token; `raw` registers a token given from outside (an admin token from a
+        Kubernetes Secret) instead of drawing one."""
         scope, priority = token_scope(role, teams, max_priority)
-        raw = new_raw_token()
+        raw = new_raw_token() if raw is None else raw
         with self._write() as conn:
             token_id = conn.execute(
                 sa.insert(tokens)
