@@ -645,28 +645,38 @@ def argo_workflows(store: Any, settings: Any) -> Callable[[str], Any]:
     return compile_job
 
 
+def argo_settings(settings: Settings) -> Any:
+    """The Workflow compiler's settings (`adapters.argo.workflow.ArgoSettings`) from the `argo:`
+    section; the one place that reads it, for the executor and `lowtide argo render`. Raises
+    ArgoCompileError when they cannot be used."""
+    from lowtide.adapters.argo.workflow import ArgoSettings  # noqa: PLC0415 - cluster mode only
+
+    argo = settings.argo
+    return ArgoSettings(
+        artifact_root=argo.artifact_root or settings.artifact_root or "",
+        namespace=argo.namespace,
+        service_account=argo.service_account,
+        research_priority_class=argo.research_priority_class,
+        grace_margin_seconds=argo.grace_margin_seconds,
+        interrupted_exit_code=argo.interrupted_exit_code,
+        shim_command=tuple(argo.shim_command),
+        default_image=argo.default_image,
+        api_url=argo.api_url,
+        storage_secret=argo.storage_secret,
+        secret_key=argo.secret_key,
+        secret_env={name: secret.env for name, secret in settings.secrets.items()},
+    )
+
+
 def build_argo_executor(settings: Settings, store: Store) -> Executor:
     """`executor.kind: argo`: the Argo executor over the cluster's API (`argo.kubeconfig`, else
     in-cluster credentials, else KUBECONFIG). Raises ConfigError naming the setting."""
     from lowtide.adapters.argo.executor import ArgoExecutor  # noqa: PLC0415 - cluster mode only
-    from lowtide.adapters.argo.workflow import ArgoCompileError, ArgoSettings  # noqa: PLC0415
+    from lowtide.adapters.argo.workflow import ArgoCompileError  # noqa: PLC0415
 
     argo = settings.argo
     try:
-        argo_settings = ArgoSettings(
-            artifact_root=argo.artifact_root or settings.artifact_root or "",
-            namespace=argo.namespace,
-            service_account=argo.service_account,
-            research_priority_class=argo.research_priority_class,
-            grace_margin_seconds=argo.grace_margin_seconds,
-            interrupted_exit_code=argo.interrupted_exit_code,
-            shim_command=tuple(argo.shim_command),
-            default_image=argo.default_image,
-            api_url=argo.api_url,
-            storage_secret=argo.storage_secret,
-            secret_key=argo.secret_key,
-            secret_env={name: secret.env for name, secret in settings.secrets.items()},
-        )
+        compile_settings = argo_settings(settings)
     except ArgoCompileError as exc:
         raise ConfigError(f"argo: {exc}") from None
     if argo.kubeconfig is None:
@@ -678,8 +688,8 @@ def build_argo_executor(settings: Settings, store: Store) -> Executor:
             raise ConfigError(str(exc)) from None
     return ArgoExecutor(
         api_client,
-        argo_settings,
-        argo_workflows(store, argo_settings),
+        compile_settings,
+        argo_workflows(store, compile_settings),
         workflows_api=argo_workflows_api(settings),
     )
 

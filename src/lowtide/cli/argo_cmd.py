@@ -5,7 +5,7 @@
 The spec is read, templates expanded and parameters set exactly as `lowtide validate` does
 (`domain.spec_parse.build_job_spec` with the config's `templates_dir`), then compiled by
 `adapters.argo.workflow.compile_workflow` with the config's `argo:` section (`ArgoConfig`,
-converted here to the compiler's `ArgoSettings`). Exit codes: 0 printed; 2 bad input (the spec's
+converted by `wiring.argo_settings`, as for the executor). Exit codes: 0 printed; 2 bad input (the spec's
 located problems, a parameter, a setting, or what cannot become a Workflow, naming the step and
 field). Must not: talk to the API, Kubernetes or Argo.
 """
@@ -23,8 +23,7 @@ import yaml
 from lowtide.cli.output import HELP_MARKUP, console, safe
 
 if TYPE_CHECKING:
-    from lowtide.adapters.argo.workflow import ArgoSettings
-    from lowtide.config import Settings
+    pass
 
 argo_app = typer.Typer(
     add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True, rich_markup_mode=HELP_MARKUP
@@ -54,28 +53,6 @@ def _config_path(ctx: typer.Context) -> str | None:
             return value
         node = node.parent
     return None
-
-
-def argo_settings(settings: Settings) -> ArgoSettings:
-    """The compiler's settings from the configuration's `argo:` section (ArgoCompileError if unusable)."""
-    from lowtide.adapters.argo.workflow import ArgoSettings  # noqa: PLC0415
-
-    argo = settings.argo
-    root = argo.artifact_root or settings.artifact_root or ""
-    return ArgoSettings(
-        artifact_root=root,
-        namespace=argo.namespace,
-        service_account=argo.service_account,
-        research_priority_class=argo.research_priority_class,
-        grace_margin_seconds=argo.grace_margin_seconds,
-        interrupted_exit_code=argo.interrupted_exit_code,
-        shim_command=tuple(argo.shim_command),
-        default_image=argo.default_image,
-        api_url=argo.api_url,
-        storage_secret=argo.storage_secret,
-        secret_key=argo.secret_key,
-        secret_env={name: secret.env for name, secret in settings.secrets.items()},
-    )
 
 
 @argo_app.command("render")
@@ -131,6 +108,8 @@ def render(
             [f"{file}: {issue.loc}: {issue.msg}" for issue in exc.issues],
         )
     try:
+        from lowtide.wiring import argo_settings  # noqa: PLC0415 (server-side imports, not at CLI start)
+
         compiler_settings = argo_settings(settings)
     except ArgoCompileError as exc:
         _bad_input(f"{_config_path(ctx) or 'the configuration'}: {exc}")
