@@ -339,6 +339,15 @@ def test_a_preempted_step_exits_75_and_is_readmitted_on_another_node(surge: Worl
     assert (
         second.step_name == "train" and second.node != first.node and second.state == AttemptState.SUCCEEDED
     )
+    # The resumed attempt's pod was told where to resume from: an annotation set at admission,
+    # which the step shim reads through the downward-API file (LOWTIDE_RESUME_FROM).
+    resumed = [
+        p["metadata"].get("annotations", {}).get("lowtide.io/resume-from")
+        for p in w.cluster.list("pods", NS)
+        if p["metadata"]["labels"].get("lowtide.io/step") == "train"
+        and (p.get("spec") or {}).get("nodeName") == second.node
+    ]
+    assert resumed == [f"{second.record['checkpoint_dir']}/step-50"], resumed
     children = w.sim.retry_children(job, "train")
     assert [c["phase"] for c in children] == ["Failed", "Succeeded"]
     assert children[0]["message"] == "main: Error (exit code 75)"

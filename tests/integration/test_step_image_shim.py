@@ -111,3 +111,24 @@ def test_a_missing_command_and_a_missing_argv_are_clear(tmp_path: Path) -> None:
     assert missing.returncode == 127 and "command not found: /no/such/step" in missing.stderr
     usage = subprocess.run(SHIM, check=False, capture_output=True, text=True, timeout=20)
     assert usage.returncode == 2 and "usage: lowtide-step-shim" in usage.stderr
+
+
+def test_the_resume_point_set_at_admission_reaches_the_step(tmp_path: Path) -> None:
+    # The kubelet's downward-API file: one key="value" line per annotation, values quoted as Go's %q.
+    podinfo = tmp_path / "annotations"
+    podinfo.write_text(
+        'kubectl.kubernetes.io/note="a \\"quoted\\" word"\n'
+        'lowtide.io/resume-from="s3://research/jobs/j/train/checkpoints/step-50"\n'
+        'workflows.argoproj.io/node-id="j-123"'
+    )
+    prints = "import os, pathlib; pathlib.Path('seen').write_text(os.environ.get('LOWTIDE_RESUME_FROM', '-'))"
+    shim = start(tmp_path, prints, LOWTIDE_PODINFO_ANNOTATIONS=str(podinfo))
+    assert shim.wait(timeout=20) == 0
+    assert (tmp_path / "seen").read_text() == "s3://research/jobs/j/train/checkpoints/step-50"
+
+
+def test_no_annotations_file_leaves_the_environment_as_it_is(tmp_path: Path) -> None:
+    prints = "import os, pathlib; pathlib.Path('seen').write_text(os.environ.get('LOWTIDE_RESUME_FROM', '-'))"
+    shim = start(tmp_path, prints, LOWTIDE_PODINFO_ANNOTATIONS=str(tmp_path / "absent"))
+    assert shim.wait(timeout=20) == 0
+    assert (tmp_path / "seen").read_text() == "-"

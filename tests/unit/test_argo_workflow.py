@@ -339,7 +339,18 @@ def test_the_step_contract_is_the_env_with_remote_uris(sft: CompiledWorkflow) ->
     assert container["command"] == ["lowtide-step-shim", "--"]
     assert container["args"][:3] == ["python", "-m", "lowtide.examples.train"]
     assert f"{root}/prep/outputs" in container["args"]
-    assert container["volumeMounts"] == [{"name": "lowtide-run", "mountPath": "/var/run/lowtide"}]
+    assert container["volumeMounts"] == [
+        {"name": "lowtide-run", "mountPath": "/var/run/lowtide"},
+        {"name": "lowtide-podinfo", "mountPath": "/var/run/lowtide/podinfo", "readOnly": True},
+    ]
+    # The attempt's resume point comes as a pod annotation set at admission, read from this file.
+    assert env["LOWTIDE_PODINFO_ANNOTATIONS"]["value"] == "/var/run/lowtide/podinfo/annotations"
+    assert {
+        "name": "lowtide-podinfo",
+        "downwardAPI": {
+            "items": [{"path": "annotations", "fieldRef": {"fieldPath": "metadata.annotations"}}]
+        },
+    } in _templates(sft)["train"]["volumes"]
 
 
 def test_secrets_are_referenced_never_inlined() -> None:

@@ -15,6 +15,12 @@ local executor writes it), forwards SIGTERM to the step's group, gives it
 - else the step's own code (128 + n when a signal killed it), except that a step's own use of
   the interrupted code becomes 1 (only the shim may say "interrupted").
 
+Per-attempt values a Workflow cannot carry (a pod's env is fixed when Argo creates it) arrive as
+pod annotations that lowtide sets when it admits the pod; the kubelet writes them to the
+downward-API file `LOWTIDE_PODINFO_ANNOTATIONS` before the container starts (one `key="value"`
+line each, the value quoted as Go's %q: kubernetes pkg/fieldpath/fieldpath.go `FormatMap`). The
+shim passes `lowtide.io/resume-from` to the step as `LOWTIDE_RESUME_FROM`.
+
 Neighbours: `adapters.argo.workflow` puts it in front of the step's argv and sets the variables;
 `adapters.argo.exits` reads its code and marker back. The local executor has its own shim
 (`adapters.step_shim`), which also records exit files for re-adoption.
@@ -51,6 +57,43 @@ def _float_env(name: str, default: float) -> float:
     except ValueError:
         return default
     return value if value >= 0 else default
+
+
+#: Pod annotations the shim turns into the step's environment.
+ANNOTATION_ENV = {"lowtide.io/resume-from": "LOWTIDE_RESUME_FROM"}
+
+
+def read_annotations(path: str) -> dict[str, str]:
+    """The pod's annotations from the downward-API file (absent or unreadable: none). A value
+    Go quoted with escapes JSON does not know (\\x, \\a) is skipped, never guessed."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return {}
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, quoted = line.partition("=")
+        if not sep or not (quoted.startswith('"') and quoted.endswith('"')):
+            continue
+        try:
+            value = json.loads(quoted)
+        except ValueError:
+            continue
+        if isinstance(value, str):
+            found[key] = value
+    return found
+
+
+def step_environment(environ: dict[str, str]) -> dict[str, str]:
+    """The step's environment: the shim's own, plus the per-attempt annotations it carries."""
+    env = dict(environ)
+    source = environ.get("LOWTIDE_PODINFO_ANNOTATIONS")
+    if source:
+        annotations = read_annotations(source)
+        for annotation, name in ANNOTATION_ENV.items():
+            if annotations.get(annotation):
+                env[name] = annotations[annotation]
+    return env
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -107,7 +150,9 @@ class _Shim:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self.on_sigterm)
         try:
-            self.child = subprocess.Popen(self.argv, start_new_session=True)
+            self.child = subprocess.Popen(
+                self.argv, start_new_session=True, env=step_environment(dict(os.environ))
+            )
         except FileNotFoundError:
             sys.stderr.write(f"lowtide-step-shim: command not found: {self.argv[0]}\n")
             return EXIT_NOT_FOUND

@@ -72,7 +72,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kubernetes import client
@@ -123,6 +123,8 @@ class _Attempt:
     pod: str | None = None
     uid: str | None = None
     node_id: str | None = None
+    #: Per-attempt values the Workflow cannot carry, set on the pod at admission.
+    annotations: dict[str, str] = field(default_factory=dict)
     running: bool = False
     deadline: float | None = None
     deleted: bool = False  # lowtide deleted its pod (notice or withdrawal)
@@ -281,7 +283,7 @@ class ArgoExecutor:
                 self._core.patch_namespaced_pod(
                     meta["name"],
                     self._ns,
-                    pods.admission_patch(t.node),
+                    pods.admission_patch(t.node, t.annotations),
                     _content_type=_STRATEGIC,
                     _request_timeout=self._timeout,
                     _preload_content=False,
@@ -327,6 +329,9 @@ class ArgoExecutor:
         except ValueError as exc:  # ArgoCompileError: the job cannot become a Workflow
             raise ExecutorError(f"cannot compile job {request.job_id}: {exc}", temporary=False) from exc
         t = _Attempt(request.attempt_id, request.job_id, dns_label(request.step), request.node, now)
+        resume_from = request.env.get("LOWTIDE_RESUME_FROM")
+        if resume_from:
+            t.annotations[pods.RESUME_ANNOTATION] = resume_from
         self._attempts[request.attempt_id] = t
         try:
             candidates = self._list_pods(f"{LABEL_JOB}={t.job_id},{LABEL_STEP}={t.step_label}")

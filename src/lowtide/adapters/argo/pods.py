@@ -93,14 +93,25 @@ def pod_node_id(pod: Mapping[str, Any]) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def admission_patch(node: str) -> dict[str, Any]:
-    """The one strategic merge patch that admits a gated pod on `node` (module docstring)."""
-    return {
+#: The annotation carrying where a resumed attempt starts from (`LOWTIDE_RESUME_FROM`): set by the
+#: admission patch, read by the step shim through a downward-API file (`adapters.argo.workflow`).
+RESUME_ANNOTATION = "lowtide.io/resume-from"
+
+
+def admission_patch(node: str, annotations: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The one strategic merge patch that admits a gated pod on `node` (module docstring), with
+    the attempt's own values as annotations (a pod's env cannot change after creation; its
+    annotations can, and the kubelet writes them to the downward-API file before the container
+    starts, since a gated pod has not started yet)."""
+    patch: dict[str, Any] = {
         "spec": {
             "nodeSelector": {HOSTNAME_LABEL: node},
             "schedulingGates": [{"name": ADMISSION_GATE, "$patch": "delete"}],
         }
     }
+    if annotations:
+        patch["metadata"] = {"annotations": dict(annotations)}
+    return patch
 
 
 def image_problem(pod: Mapping[str, Any]) -> tuple[str, str] | None:

@@ -26,8 +26,9 @@ The mechanism, and the Argo facts it rests on (argo-workflows v4.1.2, commit f01
   `retries` is one of the late-bound names an expression template waits for
   (util/template/expression_template.go `variablesToCheck`); Argo's submit-time validation
   skips expression templates (util/template/validate.go). The same value is the pod label
-  `lowtide.io/attempt`. Per-attempt values the Workflow cannot carry (`LOWTIDE_RESUME_FROM`, the
-  step token) are the runtime executor's (docs/cluster.md). Parameters are also listed in
+  `lowtide.io/attempt`. Per-attempt values the Workflow cannot carry arrive as pod annotations set
+  at admission (`LOWTIDE_RESUME_FROM`), read through a downward-API file (`PODINFO_VOLUME`) by the
+  step shim; the step token is not delivered (docs/cluster.md). Parameters are also listed in
   `spec.arguments.parameters` (shown by the Argo UI); commands already have their values filled.
 - **Inputs, outputs and checkpoints** are URIs under the artifact root, which must be remote
   (`s3://...`): a pod has no access to lowtide's local disk. Object storage credentials come from a
@@ -114,6 +115,8 @@ ATTEMPT_VALUE = "{{=asInt(retries) + 1}}"
 RESULT_PARAMETER = "lowtide-result"
 RESULT_COMPLETED = "completed"
 RUN_VOLUME = "lowtide-run"
+#: A downward-API volume with the pod's annotations (the attempt's resume point, set at admission).
+PODINFO_VOLUME = "lowtide-podinfo"
 GPU_RESOURCE = "nvidia.com/gpu"
 _MAX_LABEL = 63
 _LABEL_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
@@ -317,8 +320,16 @@ def _step_template(
         "command": list(settings.shim_command),
         "args": list(resolved.command),
         "env": env,
-        "volumeMounts": [{"name": RUN_VOLUME, "mountPath": settings.run_dir}],
+        "volumeMounts": [
+            {"name": RUN_VOLUME, "mountPath": settings.run_dir},
+            {"name": PODINFO_VOLUME, "mountPath": join_uri(settings.run_dir, "podinfo"), "readOnly": True},
+        ],
     }
+    # The attempt's own values (where it resumes from) arrive as annotations set at admission,
+    # which the kubelet writes to this file before the container starts (`lowtide-step-shim`).
+    env.append(
+        {"name": "LOWTIDE_PODINFO_ANNOTATIONS", "value": join_uri(settings.run_dir, "podinfo/annotations")}
+    )
     if settings.storage_secret:
         container["envFrom"] = [{"secretRef": {"name": settings.storage_secret}}]
     if resolved.gpus > 0:
@@ -334,7 +345,15 @@ def _step_template(
             "expression": retry_expression(settings.interrupted_exit_code, spec.retries_for(step)),
         },
         "container": container,
-        "volumes": [{"name": RUN_VOLUME, "emptyDir": {}}],
+        "volumes": [
+            {"name": RUN_VOLUME, "emptyDir": {}},
+            {
+                "name": PODINFO_VOLUME,
+                "downwardAPI": {
+                    "items": [{"path": "annotations", "fieldRef": {"fieldPath": "metadata.annotations"}}]
+                },
+            },
+        ],
         "outputs": {
             "parameters": [
                 {
