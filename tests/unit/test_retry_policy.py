@@ -13,16 +13,16 @@ from lowtide.domain.states import (
     JobState,
     StepState,
 )
-from lowtide.policy.dag import JobView, StepView, advance
-from lowtide.policy.retry import RetryPlan, RetryRefused, RetryStepView, StepReopen, plan_retry
+from lowtide.policy.dag import JobView, StepChange, StepView, advance
+from lowtide.policy.retry import RetryPlan, RetryRefused, plan_retry
 
 J, S = JobState, StepState
 
 
-def _steps(**states: StepState) -> list[RetryStepView]:
+def _steps(**states: StepState) -> list[StepView]:
     """A chain in the given order: each step depends on the one before."""
     names = list(states)
-    return [RetryStepView(n, st, (names[i - 1],) if i else ()) for i, (n, st) in enumerate(states.items())]
+    return [StepView(n, st, (names[i - 1],) if i else ()) for i, (n, st) in enumerate(states.items())]
 
 
 def test_reopening_moves_are_legal_but_finished_states_stay_finished() -> None:
@@ -49,8 +49,8 @@ def test_a_failed_chain_reopens_from_its_failed_step() -> None:
         J.FAILED,
         J.RUNNING,
         (
-            StepReopen("train", S.FAILED, S.READY, "retried by alice"),
-            StepReopen("eval", S.SKIPPED, S.PENDING, "retried by alice: waiting for train"),
+            StepChange("train", S.FAILED, S.READY, "retried by alice"),
+            StepChange("eval", S.SKIPPED, S.PENDING, "retried by alice: waiting for train"),
         ),
         "retried by alice: train, eval back to work",
         kept=("prep",),
@@ -60,10 +60,10 @@ def test_a_failed_chain_reopens_from_its_failed_step() -> None:
 
 def test_a_skipped_sibling_whose_upstream_succeeded_is_ready_at_once() -> None:
     steps = [
-        RetryStepView("prep", S.SUCCEEDED, ()),
-        RetryStepView("a", S.FAILED, ("prep",)),
-        RetryStepView("b", S.SKIPPED, ("prep",)),
-        RetryStepView("join", S.SKIPPED, ("a", "b")),
+        StepView("prep", S.SUCCEEDED, ()),
+        StepView("a", S.FAILED, ("prep",)),
+        StepView("b", S.SKIPPED, ("prep",)),
+        StepView("join", S.SKIPPED, ("a", "b")),
     ]
     plan = plan_retry("job-1", J.FAILED, True, steps, by="bob")
     assert isinstance(plan, RetryPlan)

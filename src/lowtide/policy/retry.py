@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lowtide.domain.states import ACTIVE_STEP_STATES, JobState, StepState
+from lowtide.policy.dag import StepChange, StepView
 
 #: Job states a retry reopens.
 RETRIABLE_JOB_STATES = frozenset({JobState.FAILED, JobState.CANCELLED})
@@ -56,32 +57,13 @@ _REFUSALS = {
 
 
 @dataclass(frozen=True, slots=True)
-class RetryStepView:
-    """A step as the rule sees it."""
-
-    name: str
-    state: StepState
-    depends: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class StepReopen:
-    """One step going back to work."""
-
-    step: str
-    from_state: StepState
-    to_state: StepState
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
 class RetryPlan:
     """What a retry does: the job's move and each reopened step's, in the job's step order."""
 
     job_id: str
     from_state: JobState
     to_state: JobState
-    steps: tuple[StepReopen, ...]
+    steps: tuple[StepChange, ...]
     message: str  # the job's message and the text of its "retried" event
     kept: tuple[str, ...] = ()  # the SUCCEEDED steps, not run again
 
@@ -110,7 +92,7 @@ class RetryRefused:
 
 
 def plan_retry(
-    job_id: str, state: JobState, started: bool, steps: Sequence[RetryStepView], *, by: str
+    job_id: str, state: JobState, started: bool, steps: Sequence[StepView], *, by: str
 ) -> RetryPlan | RetryRefused:
     """The retry of job `job_id` (in `state`, `started` if any step of it ever started) by `by`."""
     if state not in RETRIABLE_JOB_STATES:
@@ -119,19 +101,19 @@ def plan_retry(
     if busy:
         return RetryRefused(job_id, state, "still stopping: step " + ", ".join(busy) + " holds GPUs")
     succeeded = {s.name for s in steps if s.state == StepState.SUCCEEDED}
-    moves: list[StepReopen] = []
+    moves: list[StepChange] = []
     for s in steps:
         if s.state not in REOPENED_STEP_STATES:  # SUCCEEDED stays; nothing else is finished here
             continue
         waiting = [d for d in s.depends if d not in succeeded]
         if waiting:
             moves.append(
-                StepReopen(
+                StepChange(
                     s.name, s.state, StepState.PENDING, f"retried by {by}: waiting for {', '.join(waiting)}"
                 )
             )
         else:
-            moves.append(StepReopen(s.name, s.state, StepState.READY, f"retried by {by}"))
+            moves.append(StepChange(s.name, s.state, StepState.READY, f"retried by {by}"))
     if not moves:
         return RetryRefused(job_id, state, "nothing to retry: every step SUCCEEDED")
     target = JobState.RUNNING if started else JobState.QUEUED
@@ -140,6 +122,6 @@ def plan_retry(
     return RetryPlan(job_id, state, target, tuple(moves), f"retried by {by}: {names} back to work", kept)
 
 
-def step_event(move: StepReopen) -> tuple[str, str]:
+def step_event(move: StepChange) -> tuple[str, str]:
     """(kind, message) of the event a reopened step writes."""
     return "retried", f"{move.from_state.value} -> {move.to_state.value}: {move.reason}"

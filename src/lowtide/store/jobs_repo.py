@@ -34,6 +34,7 @@ from lowtide.control.records import (
     StepRecord,
 )
 from lowtide.domain.states import JobState, StepState
+from lowtide.policy.dag import StepView
 from lowtide.policy.job_rules import (
     CANCEL_MOVES,
     cancel_message,
@@ -44,7 +45,7 @@ from lowtide.policy.job_rules import (
     step_counts,
     submit_message,
 )
-from lowtide.policy.retry import RetryRefused, RetryStepView, plan_retry
+from lowtide.policy.retry import RetryRefused, plan_retry
 from lowtide.policy.retry import step_event as retry_step_event
 from lowtide.store.base import StoreBase, insert_event
 from lowtide.store.convert import attempt_record, job_record, resolved_to_doc, step_record
@@ -281,7 +282,7 @@ class JobsRepo(StoreBase):
                 .where(steps.c.job_id == job_id)
                 .order_by(steps.c.idx)
             ).all()
-            views = [RetryStepView(r.name, StepState(r.state), tuple(r.depends)) for r in step_rows]
+            views = [StepView(r.name, StepState(r.state), tuple(r.depends)) for r in step_rows]
             plan = plan_retry(job_id, JobState(row.state), row.started_at is not None, views, by=by)
             if isinstance(plan, RetryRefused):
                 raise NotRetriable(job_id, plan.state, plan.reason)

@@ -27,6 +27,7 @@ from lowtide.control.records import (
     StepRecord,
 )
 from lowtide.domain.states import STEP_LIFECYCLE, JobState, StepState
+from lowtide.policy.dag import StepView
 from lowtide.policy.job_rules import (
     CANCEL_MOVES,
     cancel_message,
@@ -39,7 +40,7 @@ from lowtide.policy.job_rules import (
     step_counts,
     submit_message,
 )
-from lowtide.policy.retry import RetryRefused, RetryStepView, plan_retry
+from lowtide.policy.retry import RetryRefused, plan_retry
 from lowtide.policy.retry import step_event as retry_step_event
 from lowtide.store.convert import job_record, resolved_to_doc, step_record
 from lowtide.store.memory.base import MemoryBase, count_state
@@ -195,7 +196,7 @@ class JobsPart(MemoryBase):
         with self._lock:
             self._check_fence()
             job = self._job_row(job_id)
-            views = [RetryStepView(s.name, s.state, s.depends) for s in job.steps]
+            views = [StepView(s.name, s.state, s.depends) for s in job.steps]
             plan = plan_retry(job_id, job.state, job.started_at is not None, views, by=by)
             if isinstance(plan, RetryRefused):
                 raise NotRetriable(job_id, plan.state, plan.reason)
