@@ -103,7 +103,9 @@ INVARIANTS = (
     "planes_acting_together",
     "standby_takeover",
 )
-ACTIVE_ATTEMPT = ("RUNNING", "STOPPING")
+#: Attempts that hold their GPUs (and maybe a process): PENDING too, from its booking to the
+#: executor saying it runs (`policy.attempt_rules.ACTIVE_ATTEMPT_STATES`).
+ACTIVE_ATTEMPT = ("PENDING", "RUNNING", "STOPPING")
 GPU_HOLDING_REPLICA = ("STARTING", "SERVING", "DRAINING", "PARKING", "WAKING")
 TERMINAL_JOB = ("SUCCEEDED", "FAILED", "CANCELLED")
 POLL_S = 0.5
