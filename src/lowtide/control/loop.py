@@ -8,6 +8,10 @@ snapshot: the store builds an immutable `Snapshot` with `now` from the injected 
 decide: `policy.scheduler.decide` (placement, fair share, backfill) and `policy.dag.advance`.
 act: book each start in the store first (so the next tick cannot double-book), then launch; a
 failed launch is classified and rolled forward as an attempt that ended.
+end: `Executor.end_job` for every job that will start nothing more: a cancelled job when its
+steps get notice, and each finished job the store lists as not yet ended (`jobs_to_end`, marked
+once the executor took it), so a restart, a new leader or a cancel of a job holding no GPUs
+still ends it (docs/cluster.md "When a job will start nothing more").
 With inference services, `control.inference` runs inside the tick before the step decision and
 says which GPUs research may use (the lending envelope); everything else is unavailable to steps.
 
@@ -70,7 +74,7 @@ from lowtide.control.records import (
 from lowtide.control.secrets_port import SecretResolver
 from lowtide.domain.gpus import GpuRef, Node
 from lowtide.domain.layout import ArtifactLayout, is_remote, join_uri
-from lowtide.domain.states import TERMINAL_JOB_STATES, AttemptState, StepState
+from lowtide.domain.states import AttemptState, StepState
 from lowtide.policy import walltime
 from lowtide.policy.checkpoints import RESUME_CRASH_WINDOW_S
 from lowtide.policy.dag import JobView, advance
@@ -93,6 +97,8 @@ FULL_DAG_SWEEP_S = 60.0
 #: The shortest time between the end of a tick and a tick that `wake()` brought forward.
 MIN_WAKE_GAP_S = 0.05
 LATEST_MAX_BYTES = 4096
+#: At most this many finished jobs are ended in the executor per tick (`jobs_to_end`).
+END_JOBS_BATCH = 50
 #: While the store is unavailable the next tick comes after this, doubling per tick, up to the max.
 STORE_RETRY_S = 0.5
 STORE_RETRY_MAX_S = 5.0
@@ -213,8 +219,13 @@ class ControlLoop:
         self._unrecorded_lost: dict[int, float] = {}
         #: Pending attempts the executor saw begin to run, not yet recorded (a store outage).
         self._unrecorded_started: dict[int, float] = {}
-        #: Jobs that will start nothing more whose end the executor has not taken yet (`end_job`).
-        self._jobs_to_end: set[str] = set()
+        #: Cancelled jobs whose steps got notice, to end in the executor now (`_end_jobs`); memory
+        #: only: once CANCELLED the store lists them anyway (`jobs_to_end`).
+        self._cancelling_to_end: set[str] = set()
+        #: Of those, the ones the executor took: once finished they are only marked, not ended twice.
+        self._ended_early: set[str] = set()
+        self._end_cursor: str | None = None  # where the next `jobs_to_end` batch starts
+        self._end_failing: set[str] = set()  # jobs whose `end_job` fails (logged once each)
         self._exit_failing: set[int] = set()  # exits whose recording failed (logged once)
         self._store_down_ticks = 0
         # Infrastructure launch failures: per step in a row (backoff), alerts and totals by kind.
@@ -348,7 +359,7 @@ class ControlLoop:
                 self._give_notice(due.attempt_id, due.grace_seconds, due.step_state, now)
                 report.notices += 1
                 if due.step_state == StepState.CANCELLING:
-                    self._jobs_to_end.add(due.job_id)
+                    self._cancelling_to_end.add(due.job_id)
             except StoreUnavailable:  # notice was sent; the record is retried next tick
                 report.store_failed()
             except Exception:
@@ -567,20 +578,57 @@ class ControlLoop:
         return True
 
     def _end_jobs(self, report: TickReport, now: float) -> None:
-        """Tell the executor about jobs that will start nothing more (kept until it took each)."""
-        for job_id in sorted(self._jobs_to_end):
+        """Tell the executor about jobs that will start nothing more (`Executor.end_job`): the
+        cancelled jobs given notice this tick or earlier, then a batch of the finished jobs the
+        store lists (`jobs_to_end`), each marked in the store once the executor took it. A job
+        whose `end_job` fails is tried again at the next tick, the others go on; the batch starts
+        after the previous one, so jobs that keep failing cannot hold back the rest."""
+        for job_id in sorted(self._cancelling_to_end):
             if not self._acting():
                 return
-            try:
-                self.executor.end_job(job_id, now)
-            except ExecutorError as exc:
-                log.warning("ending job %s in the executor failed (%s); next tick retries", job_id, exc)
-                continue
-            except Exception:
-                report.errors += 1
-                log.exception("ending job %s in the executor failed; next tick retries", job_id)
-                continue
-            self._jobs_to_end.discard(job_id)
+            if self._end_job(job_id, now, report):
+                self._cancelling_to_end.discard(job_id)
+                self._ended_early.add(job_id)
+        if report.store_unavailable:
+            return  # the store failed this tick: what it lists is ended next tick
+        batch: list[str] = self._guard(
+            report,
+            "jobs to end",
+            lambda: self.store.jobs_to_end(after=self._end_cursor, limit=END_JOBS_BATCH),
+            [],
+        )
+        self._end_cursor = batch[-1] if len(batch) == END_JOBS_BATCH else None
+        ended: list[str] = []
+        for job_id in batch:
+            if not self._acting():
+                break
+            if job_id in self._ended_early or self._end_job(job_id, now, report):
+                ended.append(job_id)
+        if ended:
+            # Unrecorded (the store failed): listed again next tick, and `end_job` is idempotent.
+            self._guard(report, "recording ended jobs", lambda: self.store.mark_jobs_ended(ended, at=now), 0)
+            if not report.store_unavailable:
+                self._ended_early.difference_update(ended)
+
+    def _end_job(self, job_id: str, now: float, report: TickReport) -> bool:
+        """`Executor.end_job`; False (logged once per failing job) when it failed."""
+        try:
+            self.executor.end_job(job_id, now)
+        except Exception as exc:
+            unclassified = not isinstance(exc, ExecutorError)
+            report.errors += unclassified
+            if job_id not in self._end_failing:
+                self._end_failing.add(job_id)
+                log.warning(
+                    "ending job %s in the executor failed (%s); retrying every tick",
+                    job_id,
+                    exc,
+                    exc_info=unclassified,
+                )
+            return False
+        if self._end_failing:
+            self._end_failing.discard(job_id)
+        return True
 
     def _give_notice(self, attempt_id: int, grace: float, step_state: StepState, now: float) -> None:
         reason = "job cancelled" if step_state == StepState.CANCELLING else "GPUs reclaimed"
@@ -804,8 +852,6 @@ class ControlLoop:
             except StaleState:
                 log.info("job %s moved while advancing its DAG; next tick retries", view.job_id)
                 continue
-            if changes.job is not None and changes.job.to_state in TERMINAL_JOB_STATES:
-                self._jobs_to_end.add(view.job_id)
 
     # -- act -----------------------------------------------------------------------------------
 

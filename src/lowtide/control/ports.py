@@ -121,6 +121,16 @@ class StorePort(Protocol):
         self, *, name: str, owner: str, role: str, now: float, attempt_id: int | None = None
     ) -> tuple[TokenRecord, str]: ...
 
+    def jobs_to_end(self, *, after: str | None = None, limit: int = 100) -> list[str]:
+        """Ids of finished jobs (SUCCEEDED, FAILED, CANCELLED) whose end the executor has not yet
+        taken (`mark_jobs_ended`), in id order after `after`, at most `limit`."""
+        ...
+
+    def mark_jobs_ended(self, job_ids: Sequence[str], *, at: float) -> int:
+        """Record that `Executor.end_job` succeeded for these jobs (a fenced write; only finished,
+        unmarked jobs are marked). Returns how many were marked."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class PathStat:

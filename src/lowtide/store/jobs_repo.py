@@ -293,6 +293,7 @@ class JobsRepo(StoreBase):
                 plan.to_state,
                 finished_at=None,
                 cancel_requested_at=None,
+                executor_ended_at=None,  # it will end again (`job_end_repo`)
                 message=plan.message,
             )
             ids = {r.name: r.id for r in step_rows}

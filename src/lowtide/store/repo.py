@@ -8,7 +8,7 @@ through `control.ports.StorePort`), `replicas_repo.ReplicasRepo` (inference repl
 events), `reports_repo.ReportsRepo` (usage reports), `tokens_repo.TokensRepo` (API tokens) and
 `state_repo.StateRepo` (what the controllers remember across a restart), `lending_repo.LendingRepo`
 (the lending envelope's history); `lease_repo.LeaseRepo` (the one active control plane's lease and
-fencing token).
+fencing token); `job_end_repo.JobEndRepo` (finished jobs the executor has not yet ended).
 Callers import `Store` (and `hash_token`) from here and never from the parts.
 Methods return records (`control.records`), never live rows. `store.memory.MemoryStore` has the
 same public methods, signatures and errors over Python objects; the rules both apply are pure
@@ -20,6 +20,7 @@ placement are policy) or read the clock (every time is passed in).
 from __future__ import annotations
 
 from lowtide.store.attempts_repo import AttemptsRepo
+from lowtide.store.job_end_repo import JobEndRepo
 from lowtide.store.jobs_repo import JobsRepo
 from lowtide.store.lease_repo import LeaseRepo
 from lowtide.store.lending_repo import LendingRepo
@@ -33,6 +34,15 @@ __all__ = ["ROLES", "Store", "hash_token"]
 
 
 class Store(
-    JobsRepo, PoolRepo, AttemptsRepo, ReplicasRepo, ReportsRepo, TokensRepo, StateRepo, LendingRepo, LeaseRepo
+    JobsRepo,
+    PoolRepo,
+    AttemptsRepo,
+    ReplicasRepo,
+    ReportsRepo,
+    TokensRepo,
+    StateRepo,
+    LendingRepo,
+    LeaseRepo,
+    JobEndRepo,
 ):
     """The whole store: every part over one engine (see the module docstring)."""

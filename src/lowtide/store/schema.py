@@ -20,6 +20,10 @@ metadata = sa.MetaData(
 
 Time = sa.Float(precision=53)
 
+#: The predicate of the partial index `ix_jobs_executor_unended` (0009), repeated verbatim by the
+#: query that must use it (`job_end_repo`).
+UNENDED_PREDICATE = "executor_ended_at IS NULL"
+
 jobs = sa.Table(
     "jobs",
     metadata,
@@ -46,10 +50,23 @@ jobs = sa.Table(
     # tells a retry from a different request reusing the key.
     sa.Column("idempotency_key", sa.String(128)),
     sa.Column("request_digest", sa.String(64)),
+    # When the executor took the job's end (`Executor.end_job`, 0009): NULL until the loop told it
+    # of a job that will start nothing more (docs/cluster.md "When a job will start nothing more").
+    sa.Column("executor_ended_at", Time),
     sa.Index(None, "state"),
     sa.Index(None, "team"),
     sa.Index(None, "submitted_at"),
     sa.Index(None, "owner", "idempotency_key", unique=True),
+    # The jobs not yet ended by the executor (the live ones and a finished backlog), by state and
+    # id: the loop's per-tick `jobs_to_end` reads only these rows (a partial index on both SQLite,
+    # ≥ 3.8.0, and PostgreSQL; its predicate appears verbatim in the query, as SQLite requires).
+    sa.Index(
+        "ix_jobs_executor_unended",
+        "state",
+        "id",
+        sqlite_where=sa.text(UNENDED_PREDICATE),
+        postgresql_where=sa.text(UNENDED_PREDICATE),
+    ),
 )
 
 steps = sa.Table(

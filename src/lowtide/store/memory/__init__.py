@@ -16,7 +16,8 @@ data lives as long as the object.
 Parts (each a mixin over `base.MemoryBase`, which holds the state and the guarded moves):
 `jobs` (the API side), `attempts` (the loop's side), `pool` (GPUs, counts, usage reports),
 `inference` (replicas, service events, reclaims, values), `tokens`, `state` (`control_state`), `lending`
-(the lending envelope's history) and `lease` (the control plane's lease and fence).
+(the lending envelope's history), `lease` (the control plane's lease and fence) and `job_end`
+(finished jobs the executor has not yet ended).
 Ids (jobs aside) count from 1 in creation order, as on SQLite; PostgreSQL's sequences may skip.
 Neighbours: the simulator (`lowtide.sim`) and the tests run the control loop on it.
 Must not: import SQLAlchemy (the simulator's import contract forbids it), do I/O, read the clock
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING
 from lowtide.store.memory.attempts import AttemptsPart
 from lowtide.store.memory.base import URL_SCHEME
 from lowtide.store.memory.inference import InferencePart
+from lowtide.store.memory.job_end import JobEndPart
 from lowtide.store.memory.jobs import JobsPart
 from lowtide.store.memory.lease import LeasePart
 from lowtide.store.memory.lending import LendingPart
@@ -41,7 +43,7 @@ __all__ = ["URL_SCHEME", "MemoryStore"]
 
 
 class MemoryStore(
-    JobsPart, PoolPart, AttemptsPart, InferencePart, TokensPart, StatePart, LendingPart, LeasePart
+    JobsPart, PoolPart, AttemptsPart, InferencePart, TokensPart, StatePart, LendingPart, LeasePart, JobEndPart
 ):
     """The whole in-memory store: every part over one `base.MemoryBase` (see the module docstring)."""
 

@@ -9,9 +9,10 @@ nothing; `_set_*` makes a checked move and keeps every index right. A public cal
 checks (and raises) before its first `_set_*`, so a call that raises leaves nothing changed.
 Indexes (each a `values.SortedIndex` in id order, refreshed on every change of what it shows):
 queued steps (as `QueuedStep`), active attempts (as `RunningStep` and as `AttemptRecord`),
-notices due, and the jobs the DAG may move (their rows: a job's `JobView` is built when read and
-kept until the job or one of its steps moves, so a step move costs O(1) here, not O(steps); each
-job row counts its unfinished steps for `job_rules.job_may_move_counted`).
+notices due, finished jobs the executor has not yet ended, and the jobs the DAG may move (their
+rows: a job's `JobView` is built when read and kept until the job or one of its steps moves, so a
+step move costs O(1) here, not O(steps); each job row counts its unfinished steps for
+`job_rules.job_may_move_counted`).
 Neighbours: the parts (`jobs`, `attempts`, `pool`, `inference`, `tokens`) subclass this;
 `MemoryStore` in `__init__` composes them. Every rule comes from `policy` (`attempt_rules`,
 `job_rules`, `pool_rules`, `fairshare`), as in the SQL store.
@@ -46,6 +47,7 @@ from lowtide.domain.states import (
     JOB_LIFECYCLE,
     QUEUED_STEP_STATES,
     STEP_LIFECYCLE,
+    TERMINAL_JOB_STATES,
     AttemptState,
     JobState,
     StepState,
@@ -90,6 +92,8 @@ class MemoryBase:
         self._active: SortedIndex[int, AttemptRecord] = SortedIndex()
         self._notices: SortedIndex[int, NoticeDue] = SortedIndex()
         self._movable: SortedIndex[str, JobRow] = SortedIndex()  # views built when read
+        # finished jobs the executor has not yet ended (`job_end.JobEndPart`), by id
+        self._unended: SortedIndex[str, JobRow] = SortedIndex()
         # the pool, fair share, inference, tokens, key/value
         self._ledger = Ledger()
         self._usage: dict[str, tuple[float, float]] = {}  # team -> (decayed GPU-s, as of)
@@ -223,13 +227,19 @@ class MemoryBase:
     def _refresh_job(self, job: JobRow) -> None:
         """The job's place among the jobs the DAG may move (`job_rules.job_may_move`), in O(1):
         its view is rebuilt only when read (`_job_view`), so a job of n steps whose steps move
-        one by one costs O(n) per read, not O(n) per move."""
+        one by one costs O(n) per read, not O(n) per move; and among the finished jobs the
+        executor has not yet ended (`job_end`)."""
         job.view = None
         if job_may_move_counted(job.state, job.open_steps):
             if job.id not in self._movable:
                 self._movable.put(job.id, job)
         else:
             self._movable.drop(job.id)
+        if job.state in TERMINAL_JOB_STATES and job.executor_ended_at is None:
+            if job.id not in self._unended:
+                self._unended.put(job.id, job)
+        else:
+            self._unended.drop(job.id)
 
     @staticmethod
     def _job_view(job: JobRow) -> JobView:

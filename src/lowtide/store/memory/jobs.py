@@ -204,7 +204,12 @@ class JobsPart(MemoryBase):
             for move in plan.steps:
                 self._check_step(job.step_by_name[move.step], move.from_state, move.to_state)
             self._set_job(
-                job, plan.to_state, finished_at=None, cancel_requested_at=None, message=plan.message
+                job,
+                plan.to_state,
+                finished_at=None,
+                cancel_requested_at=None,
+                executor_ended_at=None,  # it will end again (`job_end`)
+                message=plan.message,
             )
             for move in plan.steps:
                 self._set_step(

@@ -4,10 +4,10 @@ Same rules (`control.lease.claim_action`, `granted_row`), same records, same err
 the caller's `now` (as SQLite does). `fence_writes` makes the state-moving writes the control
 loop and the inference side act through (`begin_attempt`, `set_attempt_process`,
 `finish_attempt`, `request_preemption`, `mark_stopping`, `apply_dag`, `begin_replica`,
-`move_replica`, `open_reclaim`, `update_reclaim`) check the token first (`_check_fence`) and raise
-`FencedOut` before changing anything; plain records (events, reasons, tokens, checkpoints) are
-not fenced here. One object is one process's store, so two "control planes" sharing it in a
-test share its fence: the one that set it is the one checked.
+`move_replica`, `open_reclaim`, `update_reclaim`, `mark_jobs_ended`) check the token first
+(`_check_fence`) and raise `FencedOut` before changing anything; plain records (events, reasons,
+tokens, checkpoints) are not fenced here. One object is one process's store, so two "control
+planes" sharing it in a test share its fence: the one that set it is the one checked.
 Must not: read the clock, or decide who may hold the lease.
 """
 

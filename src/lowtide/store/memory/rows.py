@@ -38,6 +38,7 @@ class JobRow:
     finished_at: float | None = None
     cancel_requested_at: float | None = None
     message: str = ""
+    executor_ended_at: float | None = None  # when the executor took its end (`job_end`)
     steps: list[StepRow] = field(default_factory=list)  # in spec order (idx)
     step_by_name: dict[str, StepRow] = field(default_factory=dict)
     attempts: list[AttemptRow] = field(default_factory=list)  # in id order
