@@ -3,10 +3,16 @@ the fake API server (`k8sfake`), a simulated ReplicaSet/kubelet/EndpointSlice co
 (`k8s_deploy_sim`) and, at the end, the real control loop (`sim.harness.LoopHarness`).
 
 Time is the test's: the fake API server's clock, the simulator and the manager's `now` move
-together; nothing sleeps."""
+together; nothing sleeps but bounded waits for the caches. The manager reads pods and
+EndpointSlices from watch caches, which see a write a few milliseconds after it: after the
+simulated controllers act (and after a test's own write through the hooks), `settle` waits,
+bounded, until the caches have seen the last pod and EndpointSlice write (their
+resourceVersion), as a real control loop's next poll a second later would. That is the only
+change eventual consistency needs here."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -43,6 +49,24 @@ from support import settings_for
 NS = "serving"
 DEP = "chat-vllm"
 START = 1_796_126_400.0
+#: Test managers back off 0.05–0.5 s between watch attempts (client-go: 0.8–30 s).
+BACKOFF = (0.05, 0.5)
+SETTLE_S = 10.0  # a bound, not a duration: a cache is caught up within milliseconds
+
+
+def settle(manager: KubernetesServiceManager, cluster: FakeCluster, namespace: str = NS) -> None:
+    """Wait until the manager's caches have seen the last pod and EndpointSlice write (only while
+    the fake is listening: a cache cannot catch up with a server that is away)."""
+    if cluster.listening:
+        pods, slices = cluster.last_write("pods", namespace), cluster.last_write("endpointslices", namespace)
+        assert manager.caught_up("chat", pods, slices, SETTLE_S), "the watch caches did not catch up"
+
+
+def manager(
+    cluster: FakeCluster, target: DeploymentTarget, token: str | None = None
+) -> KubernetesServiceManager:
+    api = cluster.api_client(token) if token else cluster.api_client()
+    return KubernetesServiceManager(api, [target], refresh_s=0.0, watch_backoff_s=BACKOFF)
 
 
 class World:
@@ -53,19 +77,24 @@ class World:
         self.clock = clock
         self.sim = DeploymentSim(cluster, clock, NS, DEP, service="chat")
         self.target = target or DeploymentTarget("chat", NS, DEP, port=8000, endpoint_service="chat")
-        self.manager = KubernetesServiceManager(cluster.api_client(), [self.target], refresh_s=0.0)
+        self.manager = manager(cluster, self.target)
         self.events: list[ReplicaEvent] = []
 
-    def run(self, seconds: float, dt: float = 1.0) -> list[ReplicaEvent]:
+    def run(self, seconds: float, dt: float = 1.0, *, settle: bool = True) -> list[ReplicaEvent]:
         """Step the simulated controllers and poll the manager every `dt` for `seconds`."""
         new: list[ReplicaEvent] = []
         end = self.clock.now + seconds
         while self.clock.now < end:
             self.clock.now += dt
             self.sim.step()
+            if settle:
+                self.settle()
             new += self.manager.poll(self.clock.now)
         self.events += new
         return new
+
+    def settle(self) -> None:
+        settle(self.manager, self.cluster)
 
     def replicas(self) -> int:
         return int(self.cluster.get("deployments", NS, DEP)["spec"]["replicas"])
@@ -161,6 +190,28 @@ def test_scale_down_removes_the_pod_of_the_parked_replica(world: World) -> None:
         p["metadata"]["name"] for p in world.pods()
     )
     assert world.manager.url("chat/1") is None
+
+
+def test_a_steady_state_reads_only_the_scale_each_poll_pods_and_slices_come_from_watches(
+    world: World,
+) -> None:
+    serving(world, 2)
+    before = len(world.cluster.requests)
+    assert world.run(20) == []
+    steady = [(r.verb, r.resource) for r in world.cluster.requests[before:]]
+    assert steady == [("get", "deployments/scale")] * 20  # one request a poll (it was three)
+    # Since start-up: one LIST and one long-lived WATCH each for the pods and the EndpointSlices.
+    reads = sorted(
+        (r.verb, r.resource)
+        for r in world.cluster.requests
+        if r.resource in ("pods", "endpointslices") and r.verb in ("list", "watch")
+    )
+    assert reads == [
+        ("list", "endpointslices"),
+        ("list", "pods"),
+        ("watch", "endpointslices"),
+        ("watch", "pods"),
+    ]
 
 
 def test_park_while_another_pod_is_starting_keeps_the_ready_pod_for_the_newcomer(world: World) -> None:
@@ -344,6 +395,29 @@ def test_an_api_server_that_is_away_is_reported_unreachable_then_caught_up(world
     assert world.replicas() == 0
 
 
+def test_a_cache_that_is_not_current_means_dont_know_not_no_pods(world: World) -> None:
+    """The watches fail (503) while the scale still reads: the manager does not take its stale
+    cache for the truth (a pod deleted meanwhile is not reported) and names the problem; once
+    the watches are back (a fresh LIST), the deletion is reported."""
+    serving(world, 1)
+    pod = world.manager.pod_of("chat/0")
+    assert pod is not None
+    world.cluster.inject("watch", "*", status=503, times=10_000)
+    world.cluster.app.streams.close_all()  # the watches end; opening them again fails
+    deadline = time.monotonic() + 10
+    while "HTTP 503" not in world.manager.problem("chat"):
+        assert time.monotonic() < deadline, world.manager.problem("chat")
+        assert world.run(1, settle=False) == []
+        time.sleep(0.01)
+    assert "reading Deployment serving/chat-vllm: watching " in world.manager.problem("chat")
+    world.cluster.delete("pods", NS, pod, gracePeriodSeconds=30)
+    assert world.run(3, settle=False) == []  # don't know: not "the pod is gone"
+    world.cluster.clear_faults()
+    (event,) = world.run(1)
+    assert event.kind == "failed" and f"pod {pod} is being deleted" in event.detail
+    assert world.manager.problem("chat") == ""
+
+
 def test_image_pull_failure_fails_the_replica_with_the_reason(world: World) -> None:
     world.sim.image_error = True
     world.manager.start(launch(0), world.clock.now)
@@ -389,6 +463,7 @@ def test_a_serving_pod_whose_container_restarts_fails_its_replica(world: World) 
         )
 
     world.cluster.modify("pods", NS, pod, crashed)
+    world.settle()
     (event,) = world.manager.poll(world.clock.now + 1)
     assert event.kind == "failed" and f"pod {pod}: container vllm CrashLoopBackOff" in event.detail
     assert world.annotation(pod, REPLICA_ANNOTATION) is None  # released: no replica claims it
@@ -400,7 +475,7 @@ def test_adopt_finds_the_annotated_pod_and_reap_releases_unknown_ones(
     serving(world, 2)
     pods = {rid: world.manager.pod_of(rid) for rid in ("chat/0", "chat/1")}
     world.manager.close()
-    fresh = KubernetesServiceManager(cluster.api_client(), [world.target], refresh_s=0.0)
+    fresh = manager(cluster, world.target)
     world.manager = fresh
     assert fresh.adopt("chat/0", launch(0), world.clock.now)
     assert not fresh.adopt("chat/5", launch(5), world.clock.now)
@@ -441,6 +516,7 @@ def test_routing_sends_each_service_to_its_manager(world: World) -> None:
     for _ in range(8):
         world.clock.now += 1
         world.sim.step()
+        world.settle()
         events += routed.poll(world.clock.now)
     assert sorted(kinds(events)) == [("chat/0", "healthy"), ("embed/0", "healthy")]
     assert routed.url("embed/0") == "http://fake/embed/0"
@@ -478,63 +554,77 @@ def test_wiring_builds_the_kubernetes_manager_from_config(cluster: FakeCluster, 
 
 
 def test_the_charts_rbac_is_enough_for_refuse_mode_and_a_missing_grant_is_named(clock: SimClock) -> None:
-    """The manager with the chart's own ServiceAccount (rules enforced by the fake): scaling up,
-    choosing the pod on a scale-down, the autoscaler check and EndpointSlice readiness all pass;
-    with the EndpointSlice grant taken out of the Role, `endpoint_service` gets a clear 403."""
+    """The manager with the chart's own ServiceAccount and the Role the chart renders for a
+    service (rules enforced by the fake): scaling up, choosing the pod on a scale-down, the
+    autoscaler check, and the pod and EndpointSlice watches all pass; with the EndpointSlice
+    grant, or only the pods' `watch`, taken out of the Role, the problem names the 403."""
     release = Release("lowtide", "lowtide-system")
-    objects = render(
-        load_chart(), [{"artifactRoot": "s3://b/l", "store": {"url": "postgresql://db/l"}}], release
-    )
-    workloads = next(
-        o for o in objects if o["kind"] == "Role" and o["metadata"]["name"].endswith("-workloads")
-    )
-    ns = workloads["metadata"]["namespace"]
+    service = {
+        "name": "chat",
+        "model": "m",
+        "manager": "kubernetes",
+        "park": "stop",
+        "kubernetes": {"namespace": NS, "deployment": DEP, "endpoint_service": "chat"},
+    }
+    values = {"artifactRoot": "s3://b/l", "store": {"url": "postgresql://db/l"}, "services": [service]}
+    objects = render(load_chart(), [values], release)
+    role = next(o for o in objects if o["kind"] == "Role" and o["metadata"]["name"] == "lowtide-service-chat")
+    assert role["metadata"]["namespace"] == NS
+    target = DeploymentTarget("chat", NS, DEP, endpoint_service="chat")
     with FakeCluster(clock=clock) as cluster:
         cluster.load_rbac(objects)
         cluster.add_user("sa-token", f"system:serviceaccount:{release.namespace}:{release.name}")
-        cluster.create("deployments", ns, deployment(DEP))
-        sim = DeploymentSim(cluster, clock, ns, DEP, service="chat")
-        manager = KubernetesServiceManager(
-            cluster.api_client("sa-token"), [DeploymentTarget("chat", ns, DEP)], refresh_s=0.0
-        )
+        cluster.create("deployments", NS, deployment(DEP))
+        sim = DeploymentSim(cluster, clock, NS, DEP, service="chat")
+        sa = manager(cluster, target, "sa-token")
         events: list[ReplicaEvent] = []
         for slot in range(2):
-            manager.start(launch(slot), clock.now)
+            sa.start(launch(slot), clock.now)
         for _ in range(8):
             clock.now += 1
             sim.step()
-            events += manager.poll(clock.now)
-        manager.park("chat/1", "stop", clock.now)
+            settle(sa, cluster)
+            events += sa.poll(clock.now)
+        sa.park("chat/1", "stop", clock.now)
         for _ in range(4):
             clock.now += 1
             sim.step()
-            events += manager.poll(clock.now)
+            settle(sa, cluster)
+            events += sa.poll(clock.now)
         assert sorted(kinds(events)) == [("chat/0", "healthy"), ("chat/1", "healthy"), ("chat/1", "stopped")]
         assert not [r for r in cluster.requests if r.code == 403]
-        manager.close()
-        strict = KubernetesServiceManager(
-            cluster.api_client("sa-token"), [DeploymentTarget("chat", ns, DEP, endpoint_service="chat")]
-        )
-        strict.start(launch(3), clock.now)
-        assert not strict.problem("chat")  # the chart grants EndpointSlices get/list/watch
-        strict.close()
-    narrower = [
-        {**o, "rules": [r for r in o["rules"] if r["resources"] != ["endpointslices"]]}
-        if o is workloads
-        else o
-        for o in objects
-    ]
-    with FakeCluster(clock=clock) as cluster:
-        cluster.load_rbac(narrower)
-        cluster.add_user("sa-token", f"system:serviceaccount:{release.namespace}:{release.name}")
-        cluster.create("deployments", ns, deployment(DEP))
-        strict = KubernetesServiceManager(
-            cluster.api_client("sa-token"), [DeploymentTarget("chat", ns, DEP, endpoint_service="chat")]
-        )
-        strict.start(launch(3), clock.now)
-        problem = strict.problem("chat")
-        assert "HTTP 403" in problem and "RBAC" in problem and 'resource "endpointslices"' in problem
-        strict.close()
+        assert {(r.verb, r.resource) for r in cluster.requests if r.verb == "watch"} == {
+            ("watch", "pods"),
+            ("watch", "endpointslices"),
+        }
+        sa.close()
+
+    def without(resource: str, verb: str | None = None) -> list[dict[str, Any]]:
+        """The chart's objects with `verb` (None: every verb) on `resource` taken out of the Role."""
+        rules = []
+        for r in role["rules"]:
+            if r["resources"] == [resource]:
+                verbs = [v for v in r["verbs"] if verb is not None and v != verb]
+                if verbs:
+                    rules.append({**r, "verbs": verbs})
+            else:
+                rules.append(r)
+        return [{**o, "rules": rules} if o is role else o for o in objects]
+
+    for narrower, expected in (
+        (without("endpointslices"), 'cannot list resource "endpointslices"'),
+        (without("pods", "watch"), 'cannot watch resource "pods"'),
+    ):
+        with FakeCluster(clock=clock) as cluster:
+            cluster.load_rbac(narrower)
+            cluster.add_user("sa-token", f"system:serviceaccount:{release.namespace}:{release.name}")
+            cluster.create("deployments", NS, deployment(DEP))
+            strict = manager(cluster, target, "sa-token")
+            strict.start(launch(3), clock.now)
+            problem = strict.problem("chat")
+            assert "HTTP 403" in problem and "RBAC" in problem and expected in problem, problem
+            assert cluster.get("deployments", NS, DEP)["spec"]["replicas"] == 0  # nothing written blind
+            strict.close()
 
 
 def test_kube_api_client_reads_kubeconfig_and_says_clearly_when_there_is_none(
@@ -622,7 +712,7 @@ def test_the_control_loop_scales_the_deployment_with_load(cluster: FakeCluster, 
     )
     sim = DeploymentSim(cluster, clock, NS, DEP, service="chat", ready_after=3.0)
     target = DeploymentTarget("chat", NS, DEP, endpoint_service="chat")
-    manager = KubernetesServiceManager(cluster.api_client(), [target], refresh_s=0.0)
+    first = manager(cluster, target)
     metrics = FakeMetrics()
     w = LoopHarness(
         nodes=(Node("gpu-a", tuple(range(4))),),
@@ -630,14 +720,16 @@ def test_the_control_loop_scales_the_deployment_with_load(cluster: FakeCluster, 
         clock=FakeClock(START),
         services=(ServiceSetup(spec=spec, command=("serve",), base_port=9000),),
         lending=LendingPolicy(reclaim_lead_s=30, stale_after_s=10, stale_reclaim_after_s=60),
-        manager=manager,
+        manager=first,
         sources={"chat": metrics},
     )
+    current = [first]
 
     def run(n: int) -> None:
         for _ in range(n):
             clock.now = w.clock.now() + 1.0
             sim.step()
+            settle(current[0], cluster)
             w.tick()
 
     def states() -> list[str]:
@@ -652,11 +744,12 @@ def test_the_control_loop_scales_the_deployment_with_load(cluster: FakeCluster, 
         run(15)
         assert states() == ["SERVING"] * 3
         assert cluster.get("deployments", NS, DEP)["spec"]["replicas"] == 3
-        urls = {manager.url(f"chat/{i}") for i in range(3)}
+        urls = {first.url(f"chat/{i}") for i in range(3)}
         assert urls == {f"http://{p['status']['podIP']}:8000" for p in cluster.list("pods", NS, "app=vllm")}
         # A restarted control plane adopts the pods by their annotation: nothing restarts.
-        w.manager = manager2 = KubernetesServiceManager(cluster.api_client(), [target], refresh_s=0.0)
-        manager.close()
+        w.manager = manager2 = manager(cluster, target)
+        current[0] = manager2
+        first.close()
         w.restart()
         run(2)
         assert states() == ["SERVING"] * 3

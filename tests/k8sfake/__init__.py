@@ -5,7 +5,7 @@ Semantics checked against kubernetes commit 000f2605 (v1.35 development line) â€
 citations are in each module's docstring.
 
 Reproduced
-- Resources: core/v1 pods (+ status, log), nodes (cluster-scoped, + status), events;
+- Resources: core/v1 pods (+ status, log), nodes (cluster-scoped, + status), events, secrets;
   apps/v1 deployments (+ status, autoscaling/v1 `scale`); autoscaling/v2
   horizontalpodautoscalers; discovery.k8s.io/v1 endpointslices; coordination.k8s.io/v1
   leases; custom resources argoproj.io/v1alpha1 workflows and keda.sh/v1alpha1 scaledobjects
@@ -34,8 +34,9 @@ Reproduced
 - Faults: the next N requests matching (verb, resource[/sub]) answer 409/410/429/500/503/504
   and/or wait; the server can stop listening and come back on the same port with its state.
 - Hooks for simulated controllers (no HTTP, no RBAC): get/list/create/modify/delete,
-  bind_pod, finish_pod_deletion, set_pod_log, compact; each write bumps resourceVersion and
-  emits watch events like an API write.
+  bind_pod, finish_pod_deletion, set_pod_log, compact, last_write (the resourceVersion of the
+  last write to a collection: what a caught-up watch cache has seen); each write bumps
+  resourceVersion and emits watch events like an API write.
 
 Facts about the real client and server a user of this fake must know (each pinned by a test)
 - kubernetes client 36.0.3 (pinned) reads the bearer token and its "Bearer" prefix under the

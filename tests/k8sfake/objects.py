@@ -86,6 +86,7 @@ KINDS: tuple[Kind, ...] = (
     Kind("", "v1", "pods", "Pod", status_subresource=True, log_subresource=True),
     Kind("", "v1", "nodes", "Node", namespaced=False, status_subresource=True, generation_fields=()),
     Kind("", "v1", "events", "Event", generation_fields=()),
+    Kind("", "v1", "secrets", "Secret", generation_fields=()),
     Kind("apps", "v1", "deployments", "Deployment", status_subresource=True, scale_subresource=True),
     Kind(
         "autoscaling",
@@ -730,6 +731,22 @@ class Store:
                 ]
             self._watchers.append(_Watcher(kind, ns, listener))
             return backlog, current, self._rv
+
+    def last_write(self, kind: Kind, ns: str) -> int:
+        """The resourceVersion of the last logged write to `kind` in `ns` ("" = all), else the
+        newest of its objects' (0: none): what a caught-up watcher of that collection has seen."""
+        with self._lock:
+            for e in reversed(self._events):
+                if e.kind == kind and (not ns or e.namespace == ns):
+                    return e.rv
+            return max(
+                (
+                    int(o["metadata"]["resourceVersion"])
+                    for (k, o_ns, _), o in self._objects.items()
+                    if k == kind.key and (not ns or o_ns == ns)
+                ),
+                default=0,
+            )
 
     def unsubscribe(self, listener: Listener) -> None:
         with self._lock:

@@ -836,6 +836,10 @@ class FakeCluster:
     def compact(self) -> None:
         self.store.compact()
 
+    def last_write(self, resource: str, namespace: str = "") -> int:
+        """The resourceVersion of the last write to `resource` in `namespace` (see `Store.last_write`)."""
+        return self.store.last_write(kind_for(resource), namespace)
+
     @contextlib.contextmanager
     def serving(self) -> Iterator[FakeCluster]:
         self.start()

@@ -57,11 +57,18 @@ replica) deletes its pod with a ``uid`` precondition and the pod's own grace per
 ReplicaSet makes a fresh one when the loop starts the slot again.
 
 **Reading.** While a Deployment has slots that are not stopped or failed, `poll` re-reads its
-scale, its pods (the scale's ``status.selector``) and EndpointSlices (label
-``kubernetes.io/service-name``) at most every `refresh_s` (at once after a write of its own); it
-lists rather than watches, so such a poll costs 2–3 requests. A scale write uses the version of
-that read and reads again only after a conflict. Every request carries ``_request_timeout``: a
-slow API server delays a poll by at most that per request. The generated client (kubernetes
+scale (one GET of ``/scale``) at most every `refresh_s` (at once after a write of its own) and
+takes its pods (the scale's ``status.selector``) and EndpointSlices (label
+``kubernetes.io/service-name``) from watch caches (`adapters.k8s_watch.Informer`, one LIST then
+one long WATCH each, started on the first read): a steady poll costs one request. A cache that is
+not *current* (not synced yet, or its watch failing: RBAC, 5xx, the server away) is "don't know",
+never "no pods": the poll then behaves as when a LIST failed (nothing moves, the problem is
+logged and shown by `problem`). After its own pod write (claim, release, deletion cost, kill) the
+next read waits until the pod cache shows that write's resourceVersion (read-your-writes). The
+first read waits for the caches' first LIST and WATCH; both waits are bounded by the request
+timeout. A scale write uses the version of that read and reads again only after a conflict.
+Every request carries ``_request_timeout``: a slow API server delays a poll by at most that per
+request. The generated client (kubernetes
 36.0.3, `ApiClient.select_header_content_type`) sends a dict PATCH body as JSON patch (the first
 type of the operation's list), so every patch names ``application/merge-patch+json`` explicitly.
 
@@ -70,14 +77,17 @@ places the Deployment's pods); the command, env and port of a launch are not app
 Deployment's template defines them).
 
 Must not: decide anything (when to start, park or retry is the loop's), touch the store, read
-configuration files, sleep, or raise from `poll`. Not thread-safe: the loop calls it from one thread.
+configuration files, sleep (its only waits are the bounded cache waits above), or raise from
+`poll`. Not thread-safe: the loop calls it from one thread (each cache has its own daemon thread,
+read through snapshots; `close` stops them).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Literal
@@ -86,6 +96,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError as Urllib3Error
 
+from lowtide.adapters.k8s_watch import Informer, Snapshot
 from lowtide.control.inference_ports import ReplicaEvent, ReplicaEventKind, ReplicaLaunch
 from lowtide.domain.services import ParkMode
 
@@ -179,6 +190,9 @@ class _Deployment:
     dirty: bool = False  # spec.replicas may differ from what the slots want
     missing: str = ""  # why the Deployment could not be found ("" when it was)
     last_error: str = ""
+    pod_informer: Informer | None = None  # the pods of the scale's selector
+    slice_informer: Informer | None = None  # the EndpointSlices of endpoint_service
+    own_write: str = ""  # resourceVersion of our last pod write the pod cache must show
 
 
 def describe_api_error(exc: BaseException) -> str:
@@ -221,9 +235,13 @@ class KubernetesServiceManager:
         *,
         request_timeout_s: float = 5.0,
         refresh_s: float = 1.0,
+        watch_timeout_s: float = 300.0,
+        watch_backoff_s: tuple[float, float] = (0.8, 30.0),
     ) -> None:
         if request_timeout_s <= 0 or refresh_s < 0:
             raise ValueError("request_timeout_s must be > 0 and refresh_s >= 0")
+        self.watch_timeout_s = watch_timeout_s
+        self.watch_backoff_s = watch_backoff_s
         self._api = api_client
         self._apps = client.AppsV1Api(api_client)
         self._core = client.CoreV1Api(api_client)
@@ -353,12 +371,13 @@ class KubernetesServiceManager:
         if pod is not None and not pod.terminating:
             t = dep.target
             try:
-                self._core.delete_namespaced_pod(
+                deleted = self._core.delete_namespaced_pod(
                     pod.name,
                     t.namespace,
                     body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=pod.uid)),
                     _request_timeout=self.request_timeout_s,
                 )
+                _saw_own_write(dep, deleted)
                 dep.pods[pod.name] = replace(pod, terminating=True)
             except Exception as exc:
                 self._note_error(
@@ -369,7 +388,8 @@ class KubernetesServiceManager:
 
     def forget(self) -> None:
         """Stop tracking every replica (the pods keep serving; a control plane that lost its
-        lease leaves them to the next leader, which adopts them by their annotation)."""
+        lease leaves them to the next leader, which adopts them by their annotation). The
+        caches keep watching."""
         for dep in self._deps.values():
             dep.slots.clear()
             dep.pods.clear()
@@ -380,7 +400,25 @@ class KubernetesServiceManager:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            for dep in self._deps.values():
+                for inf in (dep.pod_informer, dep.slice_informer):
+                    if inf is not None:
+                        inf.close()
             self._api.close()
+
+    def caught_up(
+        self, service: str, pods: str | int, endpointslices: str | int | None, timeout_s: float
+    ) -> bool:
+        """Wait at most `timeout_s` until the service's caches are current and have seen these
+        resourceVersions of pods and EndpointSlices (for tests driving simulated controllers);
+        True at once for a cache not started yet."""
+        dep = self._dep(service)
+        deadline = time.monotonic() + timeout_s
+        for inf, rv in ((dep.pod_informer, pods), (dep.slice_informer, endpointslices)):
+            left = max(0.0, deadline - time.monotonic())
+            if inf is not None and str(rv or "0") != "0" and not inf.wait_for(str(rv), left):
+                return False
+        return True
 
     # -- diagnostics ------------------------------------------------------------------------------
 
@@ -412,17 +450,11 @@ class KubernetesServiceManager:
             selector = (scale.status.selector if scale.status is not None else None) or ""
             if not selector:
                 raise _Trouble(f"Deployment {_where(dep)} has no selector in its scale status")
-            pods = self._core.list_namespaced_pod(
-                t.namespace, label_selector=selector, _request_timeout=timeout
-            )
+            pods = self._cached(dep, self._pod_informer(dep, selector), dep.own_write)
             ready_ips: set[str] | None = None
             if t.endpoint_service:
-                slices = self._discovery.list_namespaced_endpoint_slice(
-                    t.namespace,
-                    label_selector=f"{SERVICE_NAME_LABEL}={t.endpoint_service}",
-                    _request_timeout=timeout,
-                )
-                ready_ips = _ready_endpoints(slices.items or [])
+                slices = self._cached(dep, self._slice_informer(dep, t.endpoint_service), "")
+                ready_ips = _ready_endpoints(slices.items.values())
         except ApiException as exc:
             if exc.status == 404:
                 self._note_missing(dep, f"Deployment {_where(dep)} not found (deleted?)", now)
@@ -441,9 +473,70 @@ class KubernetesServiceManager:
         self._clear_error(dep)
         dep.replicas = int(scale.spec.replicas or 0) if scale.spec is not None else 0
         dep.version = scale.metadata.resource_version if scale.metadata is not None else None
-        dep.pods = {p.name: p for p in (_pod(item, ready_ips) for item in pods.items or [])}
+        dep.pods = {p.name: p for p in (_pod(item, ready_ips) for item in pods.items.values())}
+        dep.own_write = ""
         dep.read_at = now
         return True
+
+    def _cached(self, dep: _Deployment, inf: Informer, own_write: str) -> Snapshot:
+        """The informer's snapshot, when it can be trusted now; else `_Trouble` saying why (the
+        poll then behaves as when a LIST failed). Waits, bounded by the request timeout, for the
+        first LIST and WATCH, and for our own last write to show."""
+        bound = self.request_timeout_s
+        if not inf.snapshot().synced:
+            inf.wait_current(bound, or_failure=True)
+        snap = inf.snapshot()
+        if not snap.current:
+            raise _Trouble(f"reading Deployment {_where(dep)}: {snap.problem}")
+        if own_write and not inf.wait_for(own_write, bound):
+            snap = inf.snapshot()
+            raise _Trouble(
+                f"reading Deployment {_where(dep)}: the cache of {inf.what} has not shown lowtide's own "
+                f"write (resourceVersion {own_write}) within {bound:g}s"
+                + (f": {snap.problem}" if snap.problem else "")
+            )
+        return inf.snapshot()
+
+    def _pod_informer(self, dep: _Deployment, selector: str) -> Informer:
+        inf = dep.pod_informer
+        if inf is not None and inf.label_selector == selector:
+            return inf
+        if inf is not None:  # the Deployment was replaced by one with another selector
+            inf.close()
+        t = dep.target
+        what = f"pods {selector} in {t.namespace}"
+        dep.pod_informer = inf = self._informer(
+            self._core.list_namespaced_pod, "V1Pod", t.namespace, selector, what
+        )
+        return inf
+
+    def _slice_informer(self, dep: _Deployment, service: str) -> Informer:
+        if dep.slice_informer is None:
+            t = dep.target
+            dep.slice_informer = self._informer(
+                self._discovery.list_namespaced_endpoint_slice,
+                "V1EndpointSlice",
+                t.namespace,
+                f"{SERVICE_NAME_LABEL}={service}",
+                f"endpointslices of Service {t.namespace}/{service}",
+            )
+        return dep.slice_informer
+
+    def _informer(
+        self, call: Callable[..., Any], item_type: str, namespace: str, selector: str, what: str
+    ) -> Informer:
+        return Informer(
+            self._api,
+            call,
+            item_type,
+            namespace,
+            label_selector=selector,
+            what=what,
+            request_timeout_s=self.request_timeout_s,
+            watch_timeout_s=self.watch_timeout_s,
+            backoff_s=self.watch_backoff_s,
+            describe=describe_api_error,
+        ).start()
 
     # -- reconciling ------------------------------------------------------------------------------
 
@@ -736,13 +829,14 @@ class KubernetesServiceManager:
         """Merge-patch the pod's annotations (None removes one); False when that failed."""
         t = dep.target
         try:
-            self._core.patch_namespaced_pod(
+            written = self._core.patch_namespaced_pod(
                 name,
                 t.namespace,
                 {"metadata": {"annotations": dict(annotations)}},
                 _content_type=MERGE_PATCH,
                 _request_timeout=self.request_timeout_s,
             )
+            _saw_own_write(dep, written)
         except Exception as exc:
             if isinstance(exc, ApiException) and exc.status == 404:
                 dep.pods.pop(name, None)
@@ -802,6 +896,14 @@ def _free(dep: _Deployment, pod: _Pod) -> bool:
     return slot is None or (slot.phase in _GONE and slot.pod != pod.name)
 
 
+def _saw_own_write(dep: _Deployment, written: Any) -> None:
+    """Remember the version of our own pod write, for the next read to wait for."""
+    meta = getattr(written, "metadata", None)
+    rv = getattr(meta, "resource_version", None) if meta is not None else None
+    if isinstance(rv, str) and rv:
+        dep.own_write = rv
+
+
 def _where(dep: _Deployment) -> str:
     return f"{dep.target.namespace}/{dep.target.deployment}"
 
@@ -814,7 +916,7 @@ def _targets(kind: str | None, name: str | None, deployment: str) -> bool:
     return kind == "Deployment" and name == deployment
 
 
-def _ready_endpoints(slices: Sequence[Any]) -> set[str]:
+def _ready_endpoints(slices: Iterable[Any]) -> set[str]:
     """Addresses listed ready in the slices (`conditions.ready` nil counts as ready, as the
     EndpointSlice API documents for consumers)."""
     out: set[str] = set()
