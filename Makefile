@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: venv torch demo demo-cli test test-fast lint fmt bench chaos clean prometheus step-user nginx web
+.PHONY: venv torch demo demo-cli test test-fast test-cluster cluster-env lint fmt bench chaos clean prometheus step-user nginx web
 
 venv: $(STAMP)
 
@@ -66,11 +66,21 @@ torch: venv
 	@$(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/python -m pip install --quiet torch==2.13.0
 
 test: lint web prometheus step-user torch
-	$(BIN)/pytest -q -n 3 -m "not serial"
-	$(BIN)/pytest -q -m serial
+	$(BIN)/pytest -q -n 3 -m "not serial and not cluster"
+	$(BIN)/pytest -q -m "serial and not cluster"
 
 test-fast: venv
-	$(BIN)/pytest -q -n 3 -m "not slow"
+	$(BIN)/pytest -q -n 3 -m "not slow and not cluster"
+
+# The cluster tier (docs/cluster.md "The cluster test tier"): the scenarios of tests/cluster on a
+# real cluster with Argo. Needs LOWTIDE_CLUSTER_KUBECONFIG, LOWTIDE_CLUSTER_NAMESPACE and
+# LOWTIDE_CLUSTER_IMAGE (an image with lowtide-step-shim); `make test` deselects it.
+test-cluster: cluster-env venv
+	$(BIN)/pytest -q -m cluster tests/cluster
+
+cluster-env:
+	@test -n "$$LOWTIDE_CLUSTER_KUBECONFIG" || { echo "make test-cluster: set LOWTIDE_CLUSTER_KUBECONFIG (a kubeconfig of a cluster with Argo), LOWTIDE_CLUSTER_NAMESPACE and LOWTIDE_CLUSTER_IMAGE; see docs/cluster.md \"The cluster test tier\"" >&2; exit 2; }
+	@test -n "$$LOWTIDE_CLUSTER_NAMESPACE" -a -n "$$LOWTIDE_CLUSTER_IMAGE" || { echo "make test-cluster: LOWTIDE_CLUSTER_NAMESPACE and LOWTIDE_CLUSTER_IMAGE must be set too" >&2; exit 2; }
 
 fmt: venv
 	$(BIN)/ruff format src tests benchmarks

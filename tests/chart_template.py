@@ -10,13 +10,19 @@ The subset (Go text/template + Helm/Sprig functions, semantics as in Go 1.24 tex
 helm/helm @e9b85e4 (Helm 4) `pkg/engine`):
 - text, `{{/* comment */}}`, trim markers `{{- ` and ` -}}` (they eat all adjacent spaces, tabs
   and newlines of the neighbouring text);
-- fields `.`, `.Values.a.b`, `.Release.Name|Namespace|Service`, `.Chart.Name|Version|AppVersion`;
+- fields `.`, `.Values.a.b`, `.Release.Name|Namespace|Service`, `.Chart.Name|Version|AppVersion`,
+  and `$` / `$.Values.a.b` (Go's `$`: the data passed to Execute, i.e. the top-level context, also
+  inside `range` and `with`; no other variables);
 - `{{ FIELD }}` prints a string as is (anything else is refused: numbers go through `toYaml`,
   because Helm reads values.yaml numbers as float64 and Go prints 1000000 as `1e+06`);
 - pipes `| quote` (Go's %q of a string) and `| nindent N`;
 - functions `toYaml X` (sigs.k8s.io/yaml output, trailing newline removed), `include "name" .`,
-  `.Files.Get "path"` (a file of the chart), `not X` (only as an `if` condition);
+  `.Files.Get "path"` (a file of the chart), `not X` (only as an `if` condition), `hasKey MAP
+  "key"` (Sprig v3: whether the map has the key), `eq A B` (Go's builtin, here for two strings,
+  two numbers or two booleans only: Go errors on incompatible kinds);
 - `{{- if COND }}…{{- else }}…{{- end }}`, `{{- with X }}…{{- end }}` (dot becomes X),
+  `{{- range LIST }}…{{- else }}…{{- end }}` (a list only: dot becomes each element in order; the
+  else branch when it is empty; no `$i, $v :=` declarations, no ranging over maps or numbers),
   `{{- define "name" -}}…{{- end }}` (in `_*.tpl` files only).
 A missing map key is an error here (Helm prints nothing): values.schema.json requires every key.
 
@@ -55,7 +61,7 @@ INSTALL_ORDER = [
 
 _TOKEN = re.compile(
     r'\s*(?:(?P<string>"(?:[^"\\]|\\.)*")|(?P<number>-?[0-9]+)|(?P<pipe>\|)'
-    r"|(?P<field>\.(?:[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)?)"
+    r"|(?P<field>\$?\.(?:[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)?|\$(?![A-Za-z0-9_]))"
     r"|(?P<word>[A-Za-z_][A-Za-z0-9_]*)|(?P<other>\S))"
 )
 _GO_WS = " \t\r\n"
@@ -76,7 +82,7 @@ class Action:
 
 @dataclass
 class Block:
-    keyword: str  # if | with | define
+    keyword: str  # if | with | range | define
     pipeline: list[list[tuple[str, str]]]
     body: list[Any] = field(default_factory=list)
     otherwise: list[Any] | None = None
@@ -180,11 +186,13 @@ def parse(text: str, where: str) -> list[Any]:
             current().append(block)
         elif head == ("word", "else"):
             if len(commands[0]) != 1 or len(commands) != 1 or not stack or stack[-1].keyword == "define":
-                raise OutsideSubset(f"{where}: only a bare `else` inside if/with is in the subset: {inner!r}")
+                raise OutsideSubset(
+                    f"{where}: only a bare `else` inside if/with/range is in the subset: {inner!r}"
+                )
             if stack[-1].otherwise is not None:
                 raise OutsideSubset(f"{where}: a second else")
             stack[-1].otherwise = []
-        elif head in (("word", "if"), ("word", "with"), ("word", "define")):
+        elif head in (("word", "if"), ("word", "with"), ("word", "range"), ("word", "define")):
             keyword = head[1]
             rest = [commands[0][1:], *commands[1:]]
             if not rest[0]:
@@ -194,7 +202,7 @@ def parse(text: str, where: str) -> list[Any]:
             ):
                 raise OutsideSubset(f"{where}: define takes one quoted name, at top level")
             stack.append(Block(keyword, rest))
-        elif head[0] == "word" and head[1] in ("range", "template", "block", "break", "continue"):
+        elif head[0] == "word" and head[1] in ("template", "block", "break", "continue"):
             raise OutsideSubset(f"{where}: `{head[1]}` is outside the subset")
         else:
             current().append(Action(commands))
@@ -272,6 +280,24 @@ def _helm_numbers(value: Any) -> Any:
     return value
 
 
+def _go_eq(a: Any, b: Any, where: str) -> bool:
+    """Go text/template's `eq` for the kinds the subset allows (funcs.go `eq`: basic kinds
+    compare by value; a string against a number is "incompatible types for comparison")."""
+
+    def kind(v: Any) -> str:
+        if isinstance(v, bool):
+            return "bool"
+        if isinstance(v, int | float):
+            return "number"
+        if isinstance(v, str):
+            return "string"
+        raise OutsideSubset(f"{where}: eq of {v!r}: only strings, numbers and booleans")
+
+    if kind(a) != kind(b):
+        raise OutsideSubset(f"{where}: eq of {a!r} and {b!r}: incompatible types for comparison")
+    return bool(a == b)
+
+
 class _Files:
     def __init__(self, chart_dir: Path) -> None:
         self.chart_dir = chart_dir
@@ -316,6 +342,8 @@ class Renderer:
     # -- values of operands -----------------------------------------------------------------
 
     def _field(self, path: str, dot: Any, where: str) -> Any:
+        if path.startswith("$"):  # Go's `$`: the top-level data, wherever dot is
+            dot, path = self.root, path[1:] or "."
         if path == ".":
             return dot
         value = dot
@@ -364,6 +392,15 @@ class Renderer:
             return self._render(self.defines[values[0]], values[1], f"define {values[0]}")
         if head == "not" and len(values) == 1:
             return not truth(values[0])
+        if (
+            head == "hasKey"
+            and len(values) == 2
+            and isinstance(values[0], Mapping)
+            and isinstance(values[1], str)
+        ):
+            return values[1] in values[0]
+        if head == "eq" and len(values) == 2:
+            return _go_eq(values[0], values[1], where)
         raise OutsideSubset(f"{where}: `{head}` with {len(values)} argument(s) is outside the subset")
 
     def _pipeline(self, pipeline: list[list[tuple[str, str]]], dot: Any, where: str) -> Any:
@@ -389,6 +426,14 @@ class Renderer:
             elif node.keyword == "if":
                 branch = node.body if truth(self._pipeline(node.pipeline, dot, where)) else node.otherwise
                 out.append(self._render(branch or [], dot, where))
+            elif node.keyword == "range":
+                items = self._pipeline(node.pipeline, dot, where)
+                if not isinstance(items, list):
+                    raise OutsideSubset(f"{where}: range over a list only (got {type(items).__name__})")
+                if items:
+                    out.extend(self._render(node.body, item, where) for item in items)
+                elif node.otherwise is not None:
+                    out.append(self._render(node.otherwise, dot, where))
             elif node.keyword == "with":
                 value = self._pipeline(node.pipeline, dot, where)
                 if truth(value):

@@ -20,7 +20,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -391,7 +391,7 @@ def build(settings: Settings, *, clock: Clock | None = None) -> Embedded:
     wake = _LateCall()
     watcher = ExitWatcher(wake)
     executor: Executor = (
-        build_argo_executor(settings, store)
+        build_argo_executor(settings, store, nodes)
         if settings.executor.kind == "argo"
         else LocalExecutor(
             store.instance_id(),
@@ -629,18 +629,30 @@ def service_manager(
 
 
 def argo_workflows(store: Any, settings: Any) -> Callable[[str], Any]:
-    """How the Argo executor gets a job's Workflow (docs/cluster.md "The Argo executor at runtime"):
-    the job as stored (its spec document and resolved steps, `store.job_detail`) compiled with
-    `settings` (`adapters.argo.workflow.ArgoSettings`). Raises ArgoCompileError or NotFound."""
-    from lowtide.adapters.argo.workflow import compile_workflow  # noqa: PLC0415 - cluster mode only
+    """How the Argo executor gets a job's current Workflow (docs/cluster.md "The Argo executor at
+    runtime", "Retrying a job"): the job as stored (its spec document and resolved steps,
+    `store.job_detail`) compiled with `settings` (`adapters.argo.workflow.ArgoSettings`), of the
+    generation its steps' `retried_at` give (`job_generation`: 0 for a job never retried), without
+    its SUCCEEDED steps when retried. Raises ArgoCompileError or NotFound."""
+    from lowtide.adapters.argo.workflow import compile_workflow, job_generation  # noqa: PLC0415 - cluster mode only
     from lowtide.domain.spec_parse import build_job_spec  # noqa: PLC0415
+    from lowtide.domain.states import StepState  # noqa: PLC0415
     from lowtide.store.convert import resolved_from_doc  # noqa: PLC0415
 
     def compile_job(job_id: str) -> Any:
         detail = store.job_detail(job_id)
         spec = build_job_spec(detail.job.spec)
         resolved = {s.name: resolved_from_doc(s.resolved) for s in detail.steps}
-        return compile_workflow(spec, job_id=job_id, settings=settings, resolved=resolved)
+        succeeded = {s.name for s in detail.steps if s.state == StepState.SUCCEEDED}
+        generation = job_generation({s.name: s.retried_at for s in detail.steps}, succeeded)
+        return compile_workflow(
+            spec,
+            job_id=job_id,
+            settings=settings,
+            resolved=resolved,
+            generation=generation,
+            succeeded=succeeded if generation else frozenset(),
+        )
 
     return compile_job
 
@@ -668,9 +680,10 @@ def argo_settings(settings: Settings) -> Any:
     )
 
 
-def build_argo_executor(settings: Settings, store: Store) -> Executor:
+def build_argo_executor(settings: Settings, store: Store, nodes: Sequence[Node] | None = None) -> Executor:
     """`executor.kind: argo`: the Argo executor over the cluster's API (`argo.kubeconfig`, else
-    in-cluster credentials, else KUBECONFIG). Raises ConfigError naming the setting."""
+    in-cluster credentials, else KUBECONFIG), checking and lending the configured `nodes` (default:
+    as declared in settings) as Kubernetes Nodes of those names. Raises ConfigError naming the setting."""
     from lowtide.adapters.argo.executor import ArgoExecutor  # noqa: PLC0415 - cluster mode only
     from lowtide.adapters.argo.workflow import ArgoCompileError  # noqa: PLC0415
 
@@ -691,7 +704,17 @@ def build_argo_executor(settings: Settings, store: Store) -> Executor:
         compile_settings,
         argo_workflows(store, compile_settings),
         workflows_api=argo_workflows_api(settings),
+        nodes=_declared_gpus(settings) if nodes is None else {n.name: len(n.gpus) for n in nodes},
     )
+
+
+def _declared_gpus(settings: Settings) -> dict[str, int]:
+    """Each configured node's declared GPU count, without NVML (``auto``: 0, nothing to compare
+    with the Node's allocatable)."""
+    return {
+        n.name: n.gpus if isinstance(n.gpus, int) else 0 if n.gpus == "auto" else len(n.gpus)
+        for n in settings.nodes
+    }
 
 
 def argo_workflows_api(settings: Settings) -> Any:

@@ -238,6 +238,30 @@ def test_a_step_token_may_only_report_checkpoints_for_its_own_attempt(api: Api) 
     assert r.status_code == 422 and locs(r) == ["body.label"]
 
 
+def test_a_step_asks_for_its_notice_deadline_with_its_own_token(api: Api) -> None:
+    """What cluster mode's shim asks on SIGTERM (docs/cluster.md "The step shim in the image")."""
+    lt = api.lt
+    job = api.submit(api.alice).json()["id"]
+    attempt_id, step_token = step_attempt_token(lt, job, "prep")
+    url = f"/v1/jobs/{job}/steps/prep/notice"
+    r = api.client.get(url, headers=api.h(step_token))
+    assert r.status_code == 200
+    assert r.json() == {"attempt_id": attempt_id, "noticed": False, "seconds_left": None, "reason": None}
+    lt.store.mark_stopping(
+        attempt_id, deadline=lt.clock.now() + 30.0, reason="GPUs reclaimed", now=lt.clock.now()
+    )
+    answer = api.client.get(url, headers=api.h(step_token)).json()
+    assert answer["noticed"] is True and answer["reason"] == "GPUs reclaimed"
+    assert 25.0 < answer["seconds_left"] <= 30.0
+    assert api.client.get(url, headers=api.h(api.admin)).json()["attempt_id"] == attempt_id
+    refused = api.client.get(url, headers=api.h(api.alice))  # the job's owner is not its step
+    assert refused.status_code == 403 and locs(refused) == ["header.Authorization"]
+    other = api.submit(api.bob).json()["id"]
+    _, other_token = step_attempt_token(lt, other, "prep")
+    assert api.client.get(url, headers=api.h(other_token)).status_code == 403
+    assert api.client.get(f"/v1/jobs/{job}/steps/nope/notice", headers=api.h(step_token)).status_code == 404
+
+
 def test_pool_health_and_metrics(api: Api) -> None:
     api.lt.store.ensure_gpus(api.lt.nodes, api.lt.clock.now())
     pool = api.client.get("/v1/pool", headers=api.h(api.alice)).json()

@@ -39,6 +39,8 @@ Kubelet and scheduler (kubernetes pkg/kubelet, pkg/registry/core/pod)
   status is written first and the pod removed at the next step (the controller sees the exit),
   unless `race_delete`: then the pod is gone before the controller looks ("pod deleted").
 
+- Secret volumes are read once, when the container starts (`secret_files`).
+
 Not modelled: init/wait containers (their failures), task results, the `completed` label,
 podGC, workflow-level retries, onExit handlers, parallelism, a real scheduler's resource fit
 (a pod is bound where its nodeSelector says), image pull progress, node failures.
@@ -47,6 +49,7 @@ Neighbours: `k8sfake.FakeCluster` (hooks), `tests/integration/test_argo_executor
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import copy
 import json
@@ -108,6 +111,8 @@ class ArgoSim:
     created: list[str] = field(default_factory=list)
     #: (pod name, deletionGracePeriodSeconds) of every pod the kubelet sent SIGTERM to.
     sigterms: list[tuple[str, int | None]] = field(default_factory=list)
+    #: pod name -> {file path: content} of its secret volumes, read when its container started.
+    secret_files: dict[str, dict[str, str]] = field(default_factory=dict)
     _kubelet: dict[str, _Kubelet] = field(default_factory=dict)
     _results: dict[str, str] = field(default_factory=dict)  # pod uid -> result file content
     _doomed: list[str] = field(default_factory=list)  # pods to remove at the next step
@@ -183,6 +188,7 @@ class ArgoSim:
                     self._set_waiting(pod, script.image_error)
                     continue
                 state.running_at = now
+                self._mount_secrets(pod)
                 self._set_running(pod)
             elif state.running_at is not None and now >= state.running_at + script.run_s:
                 if script.oom:
@@ -190,6 +196,30 @@ class ArgoSim:
                 else:
                     code = script.exit_code
                     self._terminate(pod, code, "Completed" if code == 0 else "Error", marker=script.marker)
+
+    def _mount_secrets(self, pod: Obj) -> None:
+        """The kubelet sets up secret volumes from the Secret's data before it starts the
+        container (pkg/volume/secret `SetUpAt`); an `optional` Secret or key that is missing
+        gives no file. Later changes to the Secret are not modelled (the kubelet syncs them
+        only periodically)."""
+        mounts = {m["name"]: m["mountPath"] for m in pod["spec"]["containers"][0].get("volumeMounts") or []}
+        files: dict[str, str] = {}
+        for volume in pod["spec"].get("volumes") or []:
+            source = volume.get("secret")
+            if source is None or volume["name"] not in mounts:
+                continue
+            try:
+                data = self.cluster.get("secrets", self.namespace, source["secretName"]).get("data") or {}
+            except Exception:
+                assert source.get("optional"), (
+                    f"secret {source['secretName']} missing: the pod would not start"
+                )
+                continue
+            for item in source.get("items") or [{"key": k, "path": k} for k in data]:
+                if item["key"] in data:
+                    text = base64.b64decode(data[item["key"]]).decode("utf-8")
+                    files[f"{mounts[volume['name']]}/{item['path']}"] = text
+        self.secret_files[pod["metadata"]["name"]] = files
 
     def _set_running(self, pod: Obj) -> None:
         now = _iso(self.now())
@@ -467,6 +497,17 @@ class ArgoSim:
                     "workflows.argoproj.io/node-id": child["id"],
                     "workflows.argoproj.io/node-name": child["name"],
                 },
+                # workflowpod.go: a controller reference to the Workflow
+                "ownerReferences": [
+                    {
+                        "apiVersion": "argoproj.io/v1alpha1",
+                        "kind": "Workflow",
+                        "name": wf_name,
+                        "uid": wf["metadata"]["uid"],
+                        "controller": True,
+                        "blockOwnerDeletion": True,
+                    }
+                ],
             },
             "spec": spec,
         }

@@ -1,6 +1,7 @@
 """The Argo executor at runtime, driven by the real control loop (docs/cluster.md "The Argo
 executor at runtime"): `ArgoExecutor` with the unmodified `kubernetes` client against the fake API
-server (`k8sfake`), a simulated Argo controller and kubelet (`argo_sim`) on the loop's fake clock.
+server (`k8sfake`), a simulated Argo controller and kubelet (`argo_sim`) on the loop's fake clock
+(the world: `tests/argo_world.py`).
 
 Scenarios: a two-step job through gate → admission → Running → exit 0, with the Workflow created
 once across a control-plane restart; a preemption (graceful delete, exit 75, PREEMPTED, re-admitted
@@ -11,117 +12,27 @@ and losing a create's response; RBAC refusals named; cancel by `spec.shutdown: S
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from datetime import UTC, datetime
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from argo_sim import ArgoSim, Script
-from k8sfake import ADMIN_TOKEN, FakeCluster
+from argo_sim import Script
+from argo_world import NS, ROOT, SETTINGS, T0, World, argo_world, two_steps
+from k8sfake import ADMIN_TOKEN
 from k8sfake.server import CLIENT_CLOSED_REQUEST
 from lowtide.adapters.argo.executor import ArgoExecutor
-from lowtide.adapters.argo.workflow import ArgoSettings
 from lowtide.config import ConfigError, load_settings
-from lowtide.control.clock import FakeClock
 from lowtide.control.executor_port import ExecutorError, ExitReason, LaunchRequest
 from lowtide.control.inference import ServiceSetup
-from lowtide.domain.gpus import Node
-from lowtide.domain.layout import ArtifactLayout
 from lowtide.domain.services import AutoscaleTargets, LendingPolicy, ServiceSpec
 from lowtide.domain.states import AttemptState
-from lowtide.policy.outcomes import RetryPolicy
-from lowtide.sim.harness import LoopHarness
-from lowtide.sim.scripted import FakeMetrics
-from lowtide.store.memory import MemoryStore
 from lowtide.wiring import argo_workflows, build_argo_executor
-
-NS = "lowtide"
-ROOT = "s3://bucket/lowtide"
-SETTINGS = ArgoSettings(artifact_root=ROOT, namespace=NS, default_image="registry.example/step:1")
-LAYOUT = ArtifactLayout(ROOT, "/work")
-T0 = 1_800_000_000.0
-NODES = (Node("n1", (0, 1)), Node("n2", (0, 1)), Node("n3", (0, 1)))
-
-
-@dataclass
-class World:
-    h: LoopHarness
-    sim: ArgoSim
-    cluster: FakeCluster
-    store: MemoryStore
-
-    def executor(self, **kw: Any) -> ArgoExecutor:
-        return ArgoExecutor(self.cluster.api_client(), SETTINGS, argo_workflows(self.store, SETTINGS), **kw)
-
-    def run(self, until: Callable[[], bool], limit: int = 300) -> None:
-        """Step the simulated cluster, then tick the loop, until `until()` (at most `limit` times)."""
-        for _ in range(limit):
-            self.sim.step()
-            self.h.tick()
-            if until():
-                return
-        raise AssertionError(f"not reached after {limit} ticks: {self.h.store.job_detail(self.h.jobs[-1])}")
-
-    def running(self, job: str, step: str) -> bool:
-        """The step's latest attempt runs (its pod is Running), not merely booked."""
-        attempts = [a for a in self.h.store.job_detail(job).attempts if a.step_name == step]
-        return bool(attempts) and attempts[-1].state == AttemptState.RUNNING
-
-    def job_state(self, job: str) -> str:
-        return self.h.store.job_detail(job).job.state.value
-
-    def workflow_creates(self) -> list[int]:
-        return [r.code for r in self.cluster.requests if r.verb == "create" and r.resource == "workflows"]
-
-
-def _world(services: tuple[ServiceSetup, ...] = (), lending: LendingPolicy | None = None) -> Iterator[World]:
-    clock = FakeClock(T0)
-    cluster = FakeCluster(clock=lambda: datetime.fromtimestamp(clock.now(), UTC))
-    with cluster:
-        store = MemoryStore()
-        sim = ArgoSim(cluster, clock.now, NS)
-        world = World(None, sim, cluster, store)  # type: ignore[arg-type]
-        kw: dict[str, Any] = {}
-        if services:
-            kw = {"services": services, "lending": lending, "sources": {"chat": FakeMetrics()}}
-        world.h = LoopHarness(
-            nodes=NODES,
-            layout=LAYOUT,
-            clock=clock,
-            store=store,
-            executor=world.executor(),
-            retry=RetryPolicy(5.0, 5.0),
-            **kw,
-        )
-        world.h.recover()
-        yield world
-        world.h.executor.close()
 
 
 @pytest.fixture
 def w() -> Iterator[World]:
-    yield from _world()
-
-
-def two_steps(train: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {
-        "name": "sft",
-        "grace_seconds": 30,
-        "steps": [
-            {"name": "prep", "command": ["prep"], "gpus": 1},
-            {
-                "name": "train",
-                "command": ["train"],
-                "gpus": 2,
-                "depends": ["prep"],
-                "checkpoint": True,
-                **(train or {}),
-            },
-        ],
-    }
+    yield from argo_world()
 
 
 def test_a_two_step_job_runs_through_the_gate_and_survives_a_restart(w: World) -> None:
@@ -303,7 +214,7 @@ CHAT = ServiceSpec(
 
 @pytest.fixture
 def surge() -> Iterator[World]:
-    yield from _world(
+    yield from argo_world(
         services=(ServiceSetup(spec=CHAT, command=("serve",), base_port=9000, reclaim_grace_s=30.0),),
         lending=LendingPolicy(reclaim_lead_s=36, stale_after_s=30, stale_reclaim_after_s=120),
     )

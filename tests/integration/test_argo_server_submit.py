@@ -24,10 +24,10 @@ from typing import Any
 
 import pytest
 import requests
-from test_argo_executor import LAYOUT, NODES, NS, ROOT, SETTINGS, T0, World, two_steps
 
 from argo_server_fake import CREATOR, FakeArgoServer
 from argo_sim import ArgoSim
+from argo_world import LAYOUT, NODES, NS, ROOT, SETTINGS, T0, World, two_steps
 from k8sfake import ADMIN_TOKEN, FakeCluster
 from lowtide.adapters.argo.executor import ArgoExecutor
 from lowtide.adapters.argo.workflow_store import ArgoServerWorkflows

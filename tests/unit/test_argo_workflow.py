@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from lowtide.adapters.argo.expr import ExprError, check_retry_expression, evaluate_retry_expression
 from lowtide.adapters.argo.workflow import (
     ADMISSION_GATE,
+    ANNOTATION_GENERATION,
     ATTEMPT_VALUE,
     DAG_TEMPLATE,
     LABEL_ATTEMPT,
@@ -38,9 +39,12 @@ from lowtide.adapters.argo.workflow import (
     ArgoCompileError,
     ArgoSettings,
     CompiledWorkflow,
+    NothingLeftToRun,
     compile_workflow,
     dns_label,
+    job_generation,
     retry_expression,
+    workflow_name,
 )
 from lowtide.adapters.templates import DirectoryTemplates
 from lowtide.domain.spec import JobSpec, ResolvedStep, SecretUse, StepSpec
@@ -342,6 +346,7 @@ def test_the_step_contract_is_the_env_with_remote_uris(sft: CompiledWorkflow) ->
     assert container["volumeMounts"] == [
         {"name": "lowtide-run", "mountPath": "/var/run/lowtide"},
         {"name": "lowtide-podinfo", "mountPath": "/var/run/lowtide/podinfo", "readOnly": True},
+        {"name": "lowtide-step-token", "mountPath": "/var/run/lowtide-token", "readOnly": True},
     ]
     # The attempt's resume point comes as a pod annotation set at admission, read from this file.
     assert env["LOWTIDE_PODINFO_ANNOTATIONS"]["value"] == "/var/run/lowtide/podinfo/annotations"
@@ -351,6 +356,153 @@ def test_the_step_contract_is_the_env_with_remote_uris(sft: CompiledWorkflow) ->
             "items": [{"path": "annotations", "fieldRef": {"fieldPath": "metadata.annotations"}}]
         },
     } in _templates(sft)["train"]["volumes"]
+
+
+def test_gpu_steps_mount_their_key_of_the_jobs_token_secret_and_cpu_steps_do_not(
+    sft: CompiledWorkflow,
+) -> None:
+    """The step token is never in the Workflow: a GPU template mounts its step's key of the job's
+    Secret (written by the executor before admission) and names the file for the shim."""
+    templates = _templates(sft)
+    for step in ("train", "eval"):
+        volumes = {v["name"]: v for v in templates[step]["volumes"]}
+        assert volumes["lowtide-step-token"] == {
+            "name": "lowtide-step-token",
+            "secret": {
+                "secretName": f"{JOB_ID}-step-tokens",
+                "items": [{"key": step, "path": "token"}],
+                "defaultMode": 0o444,
+                "optional": True,
+            },
+        }
+        assert _env(templates[step])["LOWTIDE_STEP_TOKEN_FILE"]["value"] == "/var/run/lowtide-token/token"
+    prep = templates["prep"]  # CPU-only: not gated, so it may start before a token is written
+    assert "lowtide-step-token" not in {v["name"] for v in prep["volumes"]}
+    assert "LOWTIDE_STEP_TOKEN_FILE" not in _env(prep)
+    assert "LOWTIDE_STEP_TOKEN" not in json.dumps(sft.manifest).replace("LOWTIDE_STEP_TOKEN_FILE", "")
+
+
+def test_the_token_key_is_the_steps_pod_label_even_for_a_name_that_is_no_label() -> None:
+    spec = JobSpec(name="j", steps=(StepSpec(name="Train_Big", command=("x",), gpus=1),))
+    compiled = compile_workflow(
+        spec, job_id=JOB_ID, settings=ArgoSettings(artifact_root="s3://b", default_image="i")
+    )
+    (template,) = [t for t in compiled.manifest["spec"]["templates"] if "container" in t]
+    (volume,) = [v for v in template["volumes"] if v["name"] == "lowtide-step-token"]
+    assert volume["secret"]["items"] == [{"key": template["metadata"]["labels"][LABEL_STEP], "path": "token"}]
+    assert template["metadata"]["labels"][LABEL_STEP] != "Train_Big"
+
+
+# --- retried generations (docs/cluster.md "Retrying a job") -----------------------------------
+
+RETRIED_AT = 1_800_000_123.4567  # when `lowtide retry` reopened the steps (store: steps.retried_at)
+GENERATION = 1_800_000_123_456
+
+
+def test_a_retried_generation_holds_only_the_unfinished_steps_and_still_validates(
+    sft: CompiledWorkflow, crd_schema: dict[str, Any]
+) -> None:
+    """prep SUCCEEDED before the retry: the new Workflow has train (its dependency on prep dropped:
+    train reads prep's output from object storage, not from Argo) and eval, unchanged otherwise."""
+    retried = compile_workflow(
+        _spec_from(REPO / "examples" / "jobs" / "sft-dag.yaml"),
+        job_id=JOB_ID,
+        settings=SETTINGS,
+        generation=GENERATION,
+        succeeded={"prep"},
+    )
+    check_against_crd(retried.manifest, crd_schema)
+    name = f"{JOB_ID}-r{GENERATION}"
+    meta = retried.manifest["metadata"]
+    assert retried.name == name == workflow_name(JOB_ID, GENERATION)
+    assert meta["labels"] == {LABEL_JOB: JOB_ID}  # found by the job's label, like generation 0
+    assert meta["annotations"][ANNOTATION_GENERATION] == str(GENERATION)
+    assert ANNOTATION_GENERATION not in sft.manifest["metadata"]["annotations"]
+    assert json.loads(meta["annotations"]["lowtide.io/steps"]) == {"train": "train", "eval": "eval"}
+    assert retried.names == {"train": "train", "eval": "eval"}
+    templates = _templates(retried)
+    assert set(templates) == {DAG_TEMPLATE, "train", "eval"}
+    assert templates[DAG_TEMPLATE]["dag"]["tasks"] == [
+        {"name": "train", "template": "train"},
+        {"name": "eval", "template": "eval", "dependencies": ["train"]},
+    ]
+    # Each step's template is generation 0's but for the token Secret, which is the Workflow's.
+    for step in ("train", "eval"):
+        before = json.dumps(_templates(sft)[step]).replace(f'"{JOB_ID}-step-tokens"', f'"{name}-step-tokens"')
+        assert json.dumps(templates[step]) == before
+    assert _env(templates["train"])["LOWTIDE_JOB_ID"]["value"] == JOB_ID
+    # train's input is where prep wrote, on object storage: nothing passes through Argo.
+    prep_out = f"s3://research/lowtide/jobs/{JOB_ID}/prep/outputs"
+    assert json.loads(_env(templates["train"])["LOWTIDE_INPUTS"]["value"]) == {"prep": prep_out}
+    assert "inputs" not in templates["train"] and prep_out in templates["train"]["container"]["args"]
+
+
+def test_a_step_keeps_its_names_in_a_retried_generation() -> None:
+    """Names are chosen over the whole job: a step renamed for a collision keeps its name."""
+    spec = JobSpec(
+        name="j",
+        steps=(
+            StepSpec(name="Prep", command=("p",)),
+            StepSpec(name="prep", command=("p",), depends=("Prep",)),
+            StepSpec(name="train", command=("t",), gpus=1, depends=("prep", "Prep")),
+        ),
+    )
+    whole = compile_workflow(spec, job_id=JOB_ID, settings=SETTINGS)
+    retried = compile_workflow(spec, job_id=JOB_ID, settings=SETTINGS, generation=7, succeeded={"Prep"})
+    assert retried.names == {k: v for k, v in whole.names.items() if k != "Prep"}
+    tasks = {t["name"]: t for t in _templates(retried)[DAG_TEMPLATE]["dag"]["tasks"]}
+    assert tasks["train"]["dependencies"] == ["prep"]
+    assert "dependencies" not in tasks["prep"]
+
+
+@pytest.mark.parametrize(
+    ("generation", "succeeded", "why"),
+    [
+        (0, {"prep"}, "generation 0 is the whole job"),
+        (5, {"nope"}, "succeeded steps ['nope'] are not steps of the job"),
+        (-1, set(), "generation -1 is negative"),
+    ],
+)
+def test_what_a_generation_cannot_be_is_refused(generation: int, succeeded: set[str], why: str) -> None:
+    spec = _spec_from(REPO / "examples" / "jobs" / "sft-dag.yaml")
+    with pytest.raises(ArgoCompileError, match=re.escape(why)):
+        compile_workflow(spec, job_id=JOB_ID, settings=SETTINGS, generation=generation, succeeded=succeeded)
+
+
+def test_a_generation_with_every_step_succeeded_has_no_workflow_but_its_name() -> None:
+    spec = _spec_from(REPO / "examples" / "jobs" / "sft-dag.yaml")
+    with pytest.raises(NothingLeftToRun) as err:
+        compile_workflow(
+            spec, job_id=JOB_ID, settings=SETTINGS, generation=9, succeeded={"prep", "train", "eval"}
+        )
+    assert err.value.workflow == f"{JOB_ID}-r9"
+
+
+def test_a_generation_name_past_63_characters_is_refused() -> None:
+    spec = JobSpec(name="j", steps=(StepSpec(name="a", command=("x",)),))
+    job_id = "j" * 50
+    compile_workflow(spec, job_id=job_id, settings=SETTINGS)  # generation 0 fits
+    with pytest.raises(ArgoCompileError, match="is not a DNS-1123 label"):
+        compile_workflow(spec, job_id=job_id, settings=SETTINGS, generation=GENERATION)
+
+
+def test_the_generation_is_the_latest_retry_in_milliseconds() -> None:
+    assert job_generation({"prep": None, "train": None}, set()) == 0  # never retried
+    assert job_generation({"prep": None, "train": None}, {"prep"}) == 0
+    assert job_generation({"prep": None, "train": RETRIED_AT}, {"prep"}) == GENERATION
+    # Two retries half a second apart are two generations.
+    assert job_generation({"train": RETRIED_AT + 0.5}, set()) == GENERATION + 500
+
+
+def test_the_generation_follows_the_unfinished_steps_whatever_the_clock_did() -> None:
+    """A retry stamps every step it reopens, which is every step not SUCCEEDED: their stamp is the
+    latest retry's even when the clock went back (an earlier retry's stamp on a step that SUCCEEDED
+    since is larger)."""
+    stamps = {"prep": RETRIED_AT + 3600, "train": RETRIED_AT, "eval": RETRIED_AT}
+    assert job_generation(stamps, {"prep"}) == GENERATION
+    assert job_generation(stamps, {"prep", "train"}) == GENERATION
+    # Everything SUCCEEDED (end_job of a finished job): the newest stamp.
+    assert job_generation(stamps, {"prep", "train", "eval"}) == GENERATION + 3_600_000
 
 
 def test_secrets_are_referenced_never_inlined() -> None:
@@ -394,6 +546,7 @@ def test_a_local_artifact_root_is_refused(root: str, why: str) -> None:
         ("shim_command", (), "shim_command must be"),
         ("namespace", "Lowtide", "namespace 'Lowtide' is not a DNS-1123 label"),
         ("grace_margin_seconds", float("nan"), "grace_margin_seconds"),
+        ("run_dir", "/var/run/lowtide-token", "must be an absolute path of its own"),
     ],
 )
 def test_bad_settings_name_the_field(field: str, value: Any, why: str) -> None:

@@ -9,7 +9,8 @@ No Helm binary and no cluster here, so this checks what can be checked without t
   does not ship, against a small schema of the fields the chart uses, taken from
   prometheus-operator v0.93.0's CRD;
 - values.schema.json rejects bad values with an error naming the field;
-- the RBAC is exactly the issue's list (no wildcard, no pods/exec, only its own Secret);
+- the RBAC is exactly the issue's list (no wildcard, no pods/exec, reads only its own Secret), per
+  service in its namespace, and the steps' ServiceAccount has only Argo's workflowtaskresults;
 - the Grafana dashboard loads and queries only metrics (and labels) that `api/metrics.py` exposes.
 """
 
@@ -97,10 +98,8 @@ SCENARIOS: dict[str, tuple[dict[str, Any], str, str]] = {
             "podDisruptionBudget": {"minAvailable": 2},
             "api": {"port": 9000},
             "service": {"type": "NodePort", "port": 80},
-            "argo": {
-                "namespace": "no",
-                "settings": {"service_account": "research", "grace_margin_seconds": 30},
-            },
+            "argo": {"namespace": "no", "settings": {"grace_margin_seconds": 30}},
+            "stepServiceAccount": {"create": False, "name": "research"},
             "priorityClasses": {
                 "research": {"name": "gpu-research", "value": -10},
                 "inference": {"name": "gpu-serving", "value": 2000000},
@@ -112,7 +111,19 @@ SCENARIOS: dict[str, tuple[dict[str, Any], str, str]] = {
                     "manager": "kubernetes",
                     "park": "stop",
                     "kubernetes": {"namespace": "no", "deployment": "chat-vllm"},
-                }
+                },
+                {
+                    "name": "embed",
+                    "model": "BAAI/bge-m3",
+                    "manager": "kubernetes",
+                    "park": "stop",
+                    "kubernetes": {
+                        "namespace": "serving",
+                        "deployment": "embed-vllm",
+                        "endpoint_service": "embed",
+                        "on_autoscaler": "steer",
+                    },
+                },
             ],
             "adminToken": {"existingSecret": "lowtide-admin", "key": "admin-token"},
             "extraConfig": {"tick_seconds": 1.5, "scheduler": {"team_quotas": {"vision": 8}}},
@@ -325,6 +336,24 @@ BAD_VALUES = [
         "services[0].park: 'stop' was expected",
     ),
     ({"extraConfig": {"store_url": "sqlite://"}}, "extraConfig: key 'store_url' is not allowed here"),
+    (
+        {"argo": {"settings": {"service_account": "x"}}},
+        "argo.settings: key 'service_account' is not allowed here",
+    ),
+    ({"stepServiceAccount": {"name": "Research"}}, "stepServiceAccount.name: 'Research'"),
+    (
+        {
+            "services": [
+                {
+                    "name": "chat",
+                    "model": "m",
+                    "manager": "kubernetes",
+                    "kubernetes": {"namespace": "s", "deployment": "d", "on_autoscaler": "fight"},
+                }
+            ]
+        },
+        "services[0].kubernetes.on_autoscaler: 'fight' is not one of",
+    ),
     ({"serviceMonitor": {"interval": "30 seconds"}}, "serviceMonitor.interval: '30 seconds' does not match"),
     (
         {"serviceMonitor": {"labels": {"app.kubernetes.io/name": "x"}}},
@@ -459,7 +488,8 @@ def test_config_runs_argo_with_kubernetes_services(chart: Any) -> None:
     assert config["artifact_root"] == "s3://lowtide-artifacts/prod"
     assert config["api"] == {"host": "0.0.0.0", "port": 9000, "public_url": "http://on.no.svc:80"}
     assert [(s["name"], s["manager"], s["park"]) for s in config["services"]] == [
-        ("chat", "kubernetes", "stop")
+        ("chat", "kubernetes", "stop"),
+        ("embed", "kubernetes", "stop"),
     ]
     assert config["tick_seconds"] == 1.5 and config["scheduler"] == {"team_quotas": {"vision": 8}}
     # Every pod registers the admin token of the Secret instead of minting its own.
@@ -514,15 +544,21 @@ def expected_rules(namespace: str, argo_ns: str, secret: str) -> set[GrantedRule
         rule(argo_ns, "argoproj.io", "workflows", "create get list watch patch delete"),
         rule(argo_ns, "", "pods", "get list watch patch delete"),
         rule(argo_ns, "", "pods/log", "get"),
-        rule(argo_ns, "apps", "deployments", "get list watch"),
-        rule(argo_ns, "apps", "deployments/scale", "get update patch"),
-        rule(argo_ns, "autoscaling", "horizontalpodautoscalers", "get list watch"),
-        rule(argo_ns, "keda.sh", "scaledobjects", "get list watch"),
-        rule(argo_ns, "discovery.k8s.io", "endpointslices", "get list watch"),
         rule(argo_ns, "", "events", "create"),
+        rule(argo_ns, "", "secrets", "create patch"),  # the step tokens' Secrets: no get, no list
         rule(namespace, "coordination.k8s.io", "leases", "get create update"),
         rule(namespace, "", "secrets", "get", (secret,)),
         rule(None, "", "nodes", "get list watch patch"),
+        rule(None, "", "pods", "list"),  # the node fit check: pods bound to a node, any namespace
+        # The steps' own ServiceAccount: only what Argo's executor needs (docs/workflow-rbac.md).
+        GrantedRule(
+            f"system:serviceaccount:{argo_ns}:lowtide-step",
+            argo_ns,
+            ("argoproj.io",),
+            ("workflowtaskresults",),
+            ("create", "patch"),
+            (),
+        ),
     }
 
 
@@ -544,12 +580,71 @@ def test_rbac_has_no_wildcards_exec_or_other_secrets(chart: Any) -> None:
         for rule in role["rules"]:
             assert "*" not in rule["apiGroups"] + rule["resources"] + rule["verbs"]
             assert "pods/exec" not in rule["resources"] and "pods/attach" not in rule["resources"]
-            if "secrets" in rule["resources"]:
-                assert rule["verbs"] == ["get"] and rule["resourceNames"] == ["on-store"]
+            if "secrets" in rule["resources"]:  # reads only its own; writes only the step tokens'
+                readable = rule["verbs"] == ["get"] and rule["resourceNames"] == ["on-store"]
+                assert readable or (rule["verbs"] == ["create", "patch"] and "resourceNames" not in rule)
     cluster_wide = {r for g in rbac_rules(objects) if g.namespace is None for r in g.resources}
-    assert cluster_wide == {"nodes"}
+    assert cluster_wide == {"nodes", "pods"}
+    # Pods cluster-wide: list only (the fit check), never read one by one, watched or written.
+    assert {g.verbs for g in rbac_rules(objects) if g.namespace is None and g.resources == ("pods",)} == {
+        ("list",)
+    }
     workloads = {g.resources for g in rbac_rules(objects) if g.namespace == "no"}
     assert ("workflows",) in workloads and ("pods/log",) in workloads
+
+
+def test_each_service_gets_exactly_what_its_settings_need_in_its_own_namespace(chart: Any) -> None:
+    objects = rendered(chart, "custom-names")
+    sa = "system:serviceaccount:no:on"
+
+    def rule(ns: str, group: str, resource: str, verbs: str, names: tuple[str, ...] = ()) -> GrantedRule:
+        return GrantedRule(sa, ns, (group,), (resource,), tuple(verbs.split()), names)
+
+    def base(ns: str, deployment: str) -> set[GrantedRule]:
+        return {
+            rule(ns, "apps", "deployments/scale", "get update", (deployment,)),
+            rule(ns, "", "pods", "list watch patch delete"),
+            rule(ns, "autoscaling", "horizontalpodautoscalers", "list"),
+            rule(ns, "keda.sh", "scaledobjects", "list"),
+        }
+
+    def service_grants(role: str) -> set[GrantedRule]:
+        mine = [o for o in objects if o["metadata"]["name"] == role]
+        assert [o["kind"] for o in mine] == ["Role", "RoleBinding"]
+        return set(rbac_rules(mine))
+
+    # chat: in the Argo namespace, no endpoint_service, on_autoscaler refuse (the default).
+    assert service_grants("on-service-chat") == base("no", "chat-vllm")
+    # embed: its own namespace, readiness from EndpointSlices, steering its autoscalers.
+    assert service_grants("on-service-embed") == base("serving", "embed-vllm") | {
+        rule("serving", "discovery.k8s.io", "endpointslices", "list watch"),
+        rule("serving", "autoscaling", "horizontalpodautoscalers", "update"),
+        rule("serving", "keda.sh", "scaledobjects", "patch"),
+    }
+    # Nothing of the service manager's is granted anywhere else.
+    service_resources = {"deployments/scale", "horizontalpodautoscalers", "scaledobjects", "endpointslices"}
+    for granted in rbac_rules(objects):
+        if set(granted.resources) & service_resources:
+            assert granted in service_grants("on-service-chat") | service_grants("on-service-embed")
+    assert not [o for o in rendered(chart, "defaults") if "-service-" in o["metadata"]["name"]]
+
+
+def test_the_steps_service_account_is_the_charts_own_or_the_one_named(chart: Any) -> None:
+    defaults = rendered(chart, "defaults")
+    assert config_of(defaults)["argo"]["service_account"] == "lowtide-step"
+    account = one(defaults, "ServiceAccount", "lowtide-step")
+    assert account["metadata"]["namespace"] == "lowtide"  # the Argo namespace, where the pods run
+    assert account["automountServiceAccountToken"] is True  # Argo's executor uses the token
+    (granted,) = [g for g in rbac_rules(defaults) if g.subject.endswith(":lowtide-step")]
+    assert (granted.resources, granted.verbs) == (("workflowtaskresults",), ("create", "patch"))
+    # An existing account: named in lowtide.yaml, nothing created.
+    custom = rendered(chart, "custom-names")
+    assert config_of(custom)["argo"]["service_account"] == "research"
+    assert not [o for o in custom if o["metadata"]["name"] in ("research", "on-step")]
+    # Neither: the namespace's default account (lowtide.yaml names none).
+    none = render(chart, [REQUIRED, {"stepServiceAccount": {"create": False}}], Release("lowtide", "lowtide"))
+    assert "service_account" not in config_of(none)["argo"]
+    assert not any(o["metadata"]["name"] == "lowtide-step" for o in none)
 
 
 def test_rbac_rules_refuses_a_binding_without_its_role(chart: Any) -> None:
@@ -654,7 +749,10 @@ def test_dashboard_configmap_carries_the_json_for_the_sidecar(chart: Any) -> Non
 @pytest.mark.parametrize(
     ("template", "message"),
     [
-        ("{{ range .Values.l }}x{{ end }}", "range"),
+        ("{{ range .Values.s }}x{{ end }}", "range over a list only"),
+        ("{{ range $i, $v := .Values.l }}x{{ end }}", "outside the subset"),
+        ("{{ if eq .Values.s 1 }}x{{ end }}", "incompatible types"),
+        ('{{ hasKey .Values.s "k" }}', "outside the subset"),
         ("{{ $x := 1 }}", "outside the subset"),
         ("{{ .Values.n }}", "print strings only"),
         ("{{ .Values.missing }}", "missing key"),
@@ -682,6 +780,21 @@ def test_interpreter_semantics_match_go_and_helm() -> None:
     nodes = parse("a  \n{{- /* c */ -}}\n  b{{ if .x }}y{{ else }}z{{ end }}", "t")
     assert [type(n).__name__ for n in nodes] == ["Text", "Text", "Block"]
     assert nodes[0].text + nodes[1].text == "ab"
+
+
+def test_interpreter_range_dollar_haskey_and_eq_follow_go(tmp_path: Path) -> None:
+    """Go's text/template: `range` sets dot to each element (else: empty list), `$` is the
+    top-level data inside it; Sprig's hasKey; eq on two strings."""
+    (tmp_path / "templates").mkdir()
+    (tmp_path / "Chart.yaml").write_text("name: t\nversion: 0.1.0\nappVersion: '1'\n")
+    (tmp_path / "templates" / "t.yaml").write_text(
+        "{{- range .Values.l }}[{{ .n }}@{{ $.Release.Name }}"
+        '{{- if hasKey . "k" }}{{ if eq .k "on" }}+{{ else }}-{{ end }}{{ end }}]{{- end }}'
+        "{{ range .Values.e }}x{{ else }}empty{{ end }}"
+    )
+    values = {"l": [{"n": "a"}, {"n": "b", "k": "on"}, {"n": "c", "k": "off"}], "e": []}
+    out = Renderer(tmp_path, values, {"name": "r", "namespace": "n"}).render_files()["templates/t.yaml"]
+    assert out == "[a@r][b@r+][c@r-]empty"
 
 
 # -- the CLI ---------------------------------------------------------------------------------------

@@ -551,6 +551,49 @@ def create_app(ctx: ApiContext) -> FastAPI:
             reported_at=now,
         )
 
+    @v1.get(
+        "/jobs/{job_id}/steps/{step}/notice",
+        response_model=schemas.NoticeOut,
+        responses={
+            403: {"model": schemas.ErrorOut},
+            404: {"model": schemas.ErrorOut},
+            409: {"model": schemas.ErrorOut},
+        },
+        summary="A running step asks for its notice's deadline (its LOWTIDE_STEP_TOKEN, or an admin)",
+    )
+    def step_notice(who: Who, job_id: str, step: str) -> schemas.NoticeOut:
+        """Cluster mode's shim asks this on SIGTERM: Kubernetes does not tell a container the
+        grace of the delete that stopped it (docs/cluster.md "The step shim in the image")."""
+        attempts = _found(lambda: ctx.store.step_attempts(job_id, step))
+        running = [a for a in attempts if a.state in ACTIVE_ATTEMPT_STATES]
+        if who.role == "step":
+            if not running or running[-1].id != who.attempt_id:
+                raise ApiError(
+                    403,
+                    "forbidden",
+                    "this step token belongs to another attempt",
+                    [("header.Authorization", "token of another attempt")],
+                )
+        elif not who.is_admin:
+            raise ApiError(
+                403,
+                "forbidden",
+                "a notice is read by the step itself (LOWTIDE_STEP_TOKEN)",
+                [("header.Authorization", "role")],
+            )
+        if not running:
+            raise ApiError(
+                409, "conflict", f"step '{step}' has no running attempt", [("path.step", "not running")]
+            )
+        current = running[-1]
+        deadline = current.stop_deadline
+        if deadline is None:
+            return schemas.NoticeOut(attempt_id=current.id, noticed=False, seconds_left=None, reason=None)
+        left = max(0.0, deadline - ctx.clock.now())
+        return schemas.NoticeOut(
+            attempt_id=current.id, noticed=True, seconds_left=left, reason=current.stop_reason
+        )
+
     # -- inference services --------------------------------------------------------------------
 
     @v1.get("/services", response_model=services_api.ServicesOut, summary="Inference services and lending")

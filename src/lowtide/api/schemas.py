@@ -127,6 +127,16 @@ class CheckpointOut(BaseModel):
     reported_at: float
 
 
+class NoticeOut(BaseModel):
+    """A running attempt's notice, as its step (or its shim) asks for it."""
+
+    attempt_id: int
+    noticed: bool
+    #: Seconds from this answer to the deadline (never below 0); None while no notice was given.
+    seconds_left: float | None
+    reason: str | None
+
+
 class EventOut(BaseModel):
     at: float
     step: str | None

@@ -67,7 +67,9 @@ def render(
     ] = DEFAULT_JOB_ID,
     output: Annotated[RenderFormat, typer.Option("--output", "-o", help="yaml or json.")] = RenderFormat.yaml,
 ) -> None:
-    """Print the Argo Workflow FILE becomes in cluster mode (nothing is submitted)."""
+    """Print the Argo Workflow FILE becomes in cluster mode (nothing is submitted): the job's
+    first Workflow, named after the job id, with every step (a retried job's later Workflows,
+    `<job id>-r<N>`, hold only its unfinished steps)."""
     from lowtide.adapters.argo.workflow import ArgoCompileError, compile_workflow  # noqa: PLC0415
     from lowtide.adapters.templates import DirectoryTemplates  # noqa: PLC0415
     from lowtide.config import ConfigError, load_settings  # noqa: PLC0415

@@ -94,6 +94,16 @@ def store_secret_name(values: Mapping[str, Any], release: Release) -> str:
     return existing or f"{release.name}-store"
 
 
+def step_service_account(values: Mapping[str, Any], release: Release) -> str | None:
+    """The ServiceAccount Workflow pods run as (`argo.service_account`): the chart's own
+    (`RELEASE-step` unless named), an existing one named, or None (the namespace's default)."""
+    step = values["stepServiceAccount"]
+    name: str = step["name"]
+    if step["create"]:
+        return name or f"{release.name}-step"
+    return name or None
+
+
 def lowtide_config(values: Mapping[str, Any], release: Release) -> dict[str, Any]:
     """The lowtide.yaml the control plane runs with (configmap.yaml)."""
     config: dict[str, Any] = {
@@ -119,6 +129,11 @@ def lowtide_config(values: Mapping[str, Any], release: Release) -> dict[str, Any
         "argo": {
             "namespace": values["argo"]["namespace"],
             "research_priority_class": values["priorityClasses"]["research"]["name"],
+            **(
+                {"service_account": step_service_account(values, release)}
+                if step_service_account(values, release)
+                else {}
+            ),
             **copy.deepcopy(dict(values["argo"]["settings"])),
         },
     }
@@ -291,17 +306,46 @@ WORKLOAD_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("argoproj.io", "workflows", ("create", "get", "list", "watch", "patch", "delete")),
     ("", "pods", ("get", "list", "watch", "patch", "delete")),
     ("", "pods/log", ("get",)),
-    ("apps", "deployments", ("get", "list", "watch")),
-    ("apps", "deployments/scale", ("get", "update", "patch")),
-    ("autoscaling", "horizontalpodautoscalers", ("get", "list", "watch")),
-    ("keda.sh", "scaledobjects", ("get", "list", "watch")),
-    # The Kubernetes service manager's readiness: a replica serves once its Service's
-    # EndpointSlices list its pod ready (`adapters.k8s_services`, `endpoint_service`).
-    ("discovery.k8s.io", "endpointslices", ("get", "list", "watch")),
     ("", "events", ("create",)),
+    # The step tokens' Secrets, one per job (`adapters.argo.step_tokens`): created, or one key
+    # patched. Not restricted by name: their names are per job, and RBAC cannot limit `create`
+    # by resourceNames (the name is not known when the request is authorized). No get/list.
+    ("", "secrets", ("create", "patch")),
 )
-#: Cluster-scoped: the nodes lowtide labels and taints.
-NODE_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (("", "nodes", ("get", "list", "watch", "patch")),)
+#: The Role of the ServiceAccount Workflow pods run as: Argo's executor reports its pod's
+#: outputs as WorkflowTaskResults (Argo v3.4+, argo-workflows docs/workflow-rbac.md).
+STEP_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("argoproj.io", "workflowtaskresults", ("create", "patch")),
+)
+
+
+def service_rules(service: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """What the Kubernetes service manager (`adapters.k8s_services`) needs in a service's own
+    namespace, for its settings: the Deployment's scale (by name), its pods (list and watch:
+    `adapters.k8s_watch`; annotate, delete a hung one), the autoscalers on it (list);
+    EndpointSlices (list, watch) only with `endpoint_service`; HPA update and ScaledObject
+    patch only with `on_autoscaler: steer`."""
+    k8s = service["kubernetes"]
+    rules = [
+        {**_rule("apps", "deployments/scale", ("get", "update")), "resourceNames": [k8s["deployment"]]},
+        _rule("", "pods", ("list", "watch", "patch", "delete")),
+        _rule("autoscaling", "horizontalpodautoscalers", ("list",)),
+        _rule("keda.sh", "scaledobjects", ("list",)),
+    ]
+    if "endpoint_service" in k8s:
+        rules.append(_rule("discovery.k8s.io", "endpointslices", ("list", "watch")))
+    if k8s.get("on_autoscaler") == "steer":
+        rules.append(_rule("autoscaling", "horizontalpodautoscalers", ("update",)))
+        rules.append(_rule("keda.sh", "scaledobjects", ("patch",)))
+    return rules
+
+
+#: Cluster-scoped: the nodes lowtide labels and taints, and pods list: before admitting a research
+#: pod, the GPUs every pod bound to its node holds, in any namespace (`adapters.k8s_nodes`).
+NODE_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("", "nodes", ("get", "list", "watch", "patch")),
+    ("", "pods", ("list",)),
+)
 
 
 def _rule(group: str, resource: str, verbs: tuple[str, ...]) -> dict[str, Any]:
@@ -350,6 +394,53 @@ def _rbac(values: Mapping[str, Any], release: Release, chart: ChartMeta, _f: Map
             "rules": [_rule(*r) for r in NODE_RULES],
         },
         _binding("ClusterRoleBinding", "ClusterRole", nodes, release, chart, None),
+    ]
+
+
+def _service_rbac(
+    values: Mapping[str, Any], release: Release, chart: ChartMeta, _f: Mapping[str, str]
+) -> Objects:
+    """A Role and RoleBinding per service, in the service's namespace (service-rbac.yaml)."""
+    objects: Objects = []
+    for service in values["services"]:
+        name, namespace = f"{release.name}-service-{service['name']}", service["kubernetes"]["namespace"]
+        objects.append(
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "Role",
+                "metadata": _meta(name, release, chart, namespace=namespace),
+                "rules": service_rules(service),
+            }
+        )
+        objects.append(_binding("RoleBinding", "Role", name, release, chart, namespace))
+    return objects
+
+
+def _step_service_account(
+    values: Mapping[str, Any], release: Release, chart: ChartMeta, _f: Mapping[str, str]
+) -> Objects:
+    """The ServiceAccount Workflow pods run as, its Role and RoleBinding (step-serviceaccount.yaml)."""
+    name = step_service_account(values, release)
+    if not values["stepServiceAccount"]["create"] or name is None:
+        return []
+    argo_ns: str = values["argo"]["namespace"]
+    binding = _binding("RoleBinding", "Role", name, release, chart, argo_ns)
+    binding["subjects"] = [{"kind": "ServiceAccount", "name": name, "namespace": argo_ns}]
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": _meta(name, release, chart, namespace=argo_ns),
+            # Argo's executor (the wait container) authenticates with this token.
+            "automountServiceAccountToken": True,
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": _meta(name, release, chart, namespace=argo_ns),
+            "rules": [_rule(*r) for r in STEP_RULES],
+        },
+        binding,
     ]
 
 
@@ -424,9 +515,11 @@ TEMPLATES: dict[str, _Builder] = {
     "priorityclasses.yaml": _priority_classes,
     "rbac.yaml": _rbac,
     "secret.yaml": _secret,
+    "service-rbac.yaml": _service_rbac,
     "service.yaml": _service,
     "serviceaccount.yaml": _service_account,
     "servicemonitor.yaml": _service_monitor,
+    "step-serviceaccount.yaml": _step_service_account,
 }
 
 

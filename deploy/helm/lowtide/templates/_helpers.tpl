@@ -10,3 +10,8 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service | quote }}
 helm.sh/chart: "{{ .Chart.Name }}-{{ .Chart.Version }}"
 {{- end }}
+
+{{- /* The ServiceAccount Workflow pods run as: stepServiceAccount.name, else RELEASE-step. */ -}}
+{{- define "lowtide.stepServiceAccount" -}}
+{{- if .Values.stepServiceAccount.name }}{{ .Values.stepServiceAccount.name }}{{- else }}{{ .Release.Name }}-step{{- end }}
+{{- end }}

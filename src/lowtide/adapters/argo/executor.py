@@ -1,4 +1,4 @@
-"""The executor port over Kubernetes and Argo Workflows: one Workflow per job, one gated pod per attempt.
+"""The executor port over Kubernetes and Argo: a Workflow per job generation, a gated pod per attempt.
 
 Role: `ArgoExecutor` carries out the loop's orders in a cluster (docs/cluster.md "Jobs as Argo
 Workflows" and "The Argo executor at runtime"), with the real `kubernetes` client (36.x):
@@ -11,17 +11,39 @@ the loop (`control.loop`) decides everything.
 Must not: decide retries or step states, touch the store, or read the clock (`now` comes in).
 
 Mechanism:
-- **Submission**: the first launch of a job creates its Workflow, named after the job id. A 409
-  AlreadyExists means an earlier try (or process) created it: it is read and reused, never
-  submitted twice. Workflows known to exist are remembered per process.
+- **Submission**: each launch compiles the job's current Workflow (`workflows(job_id)`, which
+  reads the store) and creates it the first time: generation 0 named after the job id, a retried
+  job's generation `<job id>-r<N>` with only its unfinished steps (`workflow.job_generation`,
+  docs/cluster.md "Retrying a job"). A 409 AlreadyExists means an earlier try (or process)
+  created it: it is read and reused, never submitted twice. Workflows known to exist are
+  remembered per process, by name; so is each job's current Workflow (`_current`). When a retried
+  generation is first used, older generations of the job still running are stopped (`end_job`
+  normally did it; a retry that came before the loop ended the job did not).
+- **Generations**: an attempt belongs to the Workflow of its job's current generation
+  (`_Attempt.workflow`). Its pod is the one that Workflow made: Argo labels each pod
+  `workflows.argoproj.io/workflow: <workflow name>` and gives it a controller ownerReference to
+  the Workflow (argo-workflows v4.1.2, commit f016ad89, workflow/controller/workflowpod.go
+  `podBuilder.build`, `common.LabelKeyWorkflow`), so a pod an older, stopped generation left
+  gated is never admitted for a new attempt, and exits are read from the node of the Workflow
+  that owns the pod.
 - **Admission**: Argo creates each ready step's pod with the gate `lowtide.io/admission`
   (the template's `podSpecPatch`). `launch` finds the step's gated pod by the labels
-  `lowtide.io/job` and `lowtide.io/step` (a gated pod not being deleted is not admitted yet, so
-  it belongs to no earlier attempt) and admits it with one strategic merge patch that sets
-  `nodeSelector: {kubernetes.io/hostname: <node>}` and deletes the gate. Right after the
+  `lowtide.io/job` and `lowtide.io/step`, among the pods of its generation's Workflow (a gated
+  pod not being deleted is not admitted yet, so it belongs to no earlier attempt) and admits it
+  with one strategic merge patch that sets
+  `nodeSelector: {kubernetes.io/hostname: <node>}` and deletes the gate. Just before that patch
+  the attempt's step token is written into its Workflow's Secret (`step_tokens`), which the kubelet
+  mounts when it starts the admitted pod. Right after the
   Workflow is created, or before Argo has made the retry's pod, there is no pod yet: `launch`
   returns a PENDING handle and a later `poll` admits the pod when it appears. A CPU-only step's
   pod is not gated (it runs as soon as Argo makes it): `launch` only claims it.
+- **Nodes** (`adapters.k8s_nodes.NodeLending`, when wiring passes the configured nodes): before
+  the admission patch the Node is checked (Ready, not cordoned, no taint the pod does not
+  tolerate, enough allocatable `nvidia.com/gpu` beside every pod on it, any namespace) and
+  given lowtide's label `lowtide.io/lent-gpus` and PreferNoSchedule taint. A pod that does not
+  fit is not admitted: at `launch` the `NodeBusy` error goes to the loop (a launch failure, no
+  retry used, placed again after a backoff), at a `poll` the attempt ends UNSCHEDULABLE with the
+  same words (requeued, no retry). Each poll then reconciles the labels from its pod list.
 - **Handles**: `<namespace>/<pod name>/<pod uid>`; `<namespace>/@<job id>/<step label>` while no
   pod is claimed yet (the store keeps the handle of the launch; a restart resolves it again
   by labels). The uid makes a re-created pod of the same name a different attempt.
@@ -48,7 +70,7 @@ Mechanism:
   (grace 0) and the attempt reported withdrawn (DELETED, no code). Past the deadline plus the
   margin plus `kill_margin_s` a pod still there is deleted with grace 0 (the kill). A failed
   delete is retried at the next poll (and after a restart, for an attempt that had notice).
-- **Cancel** of a whole job: `stop_workflow(job_id)` patches `spec.shutdown: Stop`
+- **Cancel** of a whole job (`end_job`): `stop_workflow(<current workflow>)` patches `spec.shutdown: Stop`
   (workflow_types.go `ShutdownStrategyStop`; exec_control.go `applyExecutionControl`: Argo
   deletes pending pods, sends running ones SIGTERM, fails their nodes with `workflow shutdown
   with strategy:  Stop` and starts nothing new). Without it a pod stopped by notice exits 75 and
@@ -80,14 +102,17 @@ from kubernetes import client
 from lowtide.adapters.argo import k8s_errors, pods
 from lowtide.adapters.argo.exits import attempt_exit
 from lowtide.adapters.argo.node_status import NodeOutcome, classify_node
+from lowtide.adapters.argo.step_tokens import StepTokens
 from lowtide.adapters.argo.workflow import (
     LABEL_JOB,
     LABEL_STEP,
     ArgoSettings,
     CompiledWorkflow,
+    NothingLeftToRun,
     dns_label,
 )
 from lowtide.adapters.argo.workflow_store import KubernetesWorkflows, WorkflowExists, WorkflowsApi
+from lowtide.adapters.k8s_nodes import NodeBusy, NodeLending
 from lowtide.control.executor_port import (
     AdoptOutcome,
     AdoptRequest,
@@ -101,12 +126,14 @@ from lowtide.control.executor_port import (
     PollReport,
 )
 
-__all__ = ["ArgoExecutor", "parse_ref"]
+__all__ = ["WORKFLOW_LABEL", "ArgoExecutor", "parse_ref", "pod_workflow"]
 
 log = logging.getLogger(__name__)
 
 _STRATEGIC = "application/strategic-merge-patch+json"
 _TERMINAL_WF = frozenset({"Succeeded", "Failed", "Error"})
+#: Argo's label naming the Workflow of a pod (argo-workflows workflow/common/common.go `LabelKeyWorkflow`).
+WORKFLOW_LABEL = "workflows.argoproj.io/workflow"
 
 Obj = dict[str, Any]
 
@@ -120,6 +147,8 @@ class _Attempt:
     step_label: str
     node: str
     started_at: float
+    #: The Workflow (job generation) whose pod the attempt takes (`workflow.workflow_name`).
+    workflow: str = ""
     pod: str | None = None
     uid: str | None = None
     node_id: str | None = None
@@ -156,10 +185,16 @@ class ArgoExecutor:
         kill_margin_s: float = 15.0,
         request_timeout_s: float = 10.0,
         workflows_api: WorkflowsApi | None = None,
+        nodes: Mapping[str, int] | None = None,
+        node_resync_s: float = 60.0,
     ) -> None:
-        """`workflows(job_id)` compiles a job's Workflow (wiring reads the job from the store);
-        it may raise ArgoCompileError (a permanent launch failure of the step). `workflows_api`
-        is where Workflows are created and read (default: the Kubernetes API of `api_client`)."""
+        """`workflows(job_id)` compiles a job's current Workflow, of the generation the store gives
+        (wiring reads the job from the store; called at each launch and `end_job`); it may raise
+        ArgoCompileError (a permanent launch failure of the step). `workflows_api`
+        is where Workflows are created and read (default: the Kubernetes API of `api_client`).
+        `nodes`: lowtide's configured nodes and GPU counts; with them each GPU pod's node is
+        checked and labelled/tainted before admission (`k8s_nodes.NodeLending`; wiring always
+        passes them). None: pods are pinned without looking at the Node (tests of other parts)."""
         self._client = api_client
         self._core = client.CoreV1Api(api_client)
         self._wf_api: WorkflowsApi = workflows_api or KubernetesWorkflows(
@@ -167,6 +202,7 @@ class ArgoExecutor:
         )
         self._settings = settings
         self._ns = settings.namespace
+        self._step_tokens = StepTokens(self._core, self._wf_api, settings.namespace, request_timeout_s)
         self._workflows = workflows
         self._image_bound = image_pull_bound_s
         self._unsched_bound = unschedulable_bound_s
@@ -174,7 +210,17 @@ class ArgoExecutor:
         self._timeout = request_timeout_s
         self._attempts: dict[int, _Attempt] = {}
         self._unacked: dict[int, AttemptExit] = {}
+        #: Names of Workflows known to exist (created, or answered 409 and read back).
         self._submitted: set[str] = set()
+        #: Job id -> the name of its current generation's Workflow, as last compiled.
+        self._current: dict[str, str] = {}
+        #: Retried generations whose older generations were stopped (`_stop_older`).
+        self._swept: set[str] = set()
+        self._lending = (
+            None
+            if nodes is None
+            else NodeLending(api_client, nodes, request_timeout_s=request_timeout_s, resync_s=node_resync_s)
+        )
         #: The resourceVersion of the last pod list (for a later watch).
         self.pods_resource_version: str | None = None
 
@@ -223,10 +269,39 @@ class ArgoExecutor:
 
     # -- submission and admission -------------------------------------------------------------
 
-    def _ensure_workflow(self, job_id: str) -> None:
-        if job_id in self._submitted:
-            return
+    def _compile(self, job_id: str) -> CompiledWorkflow:
+        """The job's current Workflow (the store decides its generation); remembered per job."""
         compiled = self._workflows(job_id)
+        self._current[job_id] = compiled.name
+        return compiled
+
+    def _ensure_workflow(self, job_id: str) -> str:
+        """The name of the job's current Workflow, created unless known to exist (module
+        docstring, "Submission"). Raises ExecutorError, or ValueError when it cannot compile."""
+        compiled = self._compile(job_id)
+        if compiled.name not in self._submitted:
+            self._create(job_id, compiled)
+            self._submitted.add(compiled.name)
+        if compiled.name != job_id and compiled.name not in self._swept:
+            self._stop_older(job_id, compiled.name)
+        return compiled.name
+
+    def _stop_older(self, job_id: str, current: str) -> None:
+        """Stop the job's Workflows of earlier generations that still run (failures are logged
+        and tried again at the next launch: the new generation does not wait for them)."""
+        try:
+            for wf in self._wf_api.list(f"{LABEL_JOB}={job_id}"):
+                name = str((wf.get("metadata") or {}).get("name", ""))
+                done = (wf.get("status") or {}).get("phase") in _TERMINAL_WF
+                if name and name != current and not done and not (wf.get("spec") or {}).get("shutdown"):
+                    log.warning("job %s: stopping %s/%s, an earlier generation", job_id, self._ns, name)
+                    self._wf_api.stop(name)
+        except ExecutorError as exc:
+            log.warning("job %s: earlier generations not stopped yet: %s", job_id, exc)
+            return
+        self._swept.add(current)
+
+    def _create(self, job_id: str, compiled: CompiledWorkflow) -> None:
         try:
             self._wf_api.create(compiled.manifest)
         except WorkflowExists as exc:
@@ -246,20 +321,21 @@ class ArgoExecutor:
                     temporary=False,
                     infrastructure=k8s_errors.INFRASTRUCTURE,
                 ) from exc
-        self._submitted.add(job_id)
 
     def _claimed_uids(self) -> set[str]:
         return {t.uid for t in self._attempts.values() if t.uid is not None}
 
     def _claimable(self, t: _Attempt, candidates: list[Obj]) -> Obj | None:
-        """The step's pod this attempt may take: gated (or, for a CPU-only step, not admitted by
-        anyone and not finished), not being deleted, not another attempt's; the newest first."""
+        """The step's pod this attempt may take: made by the attempt's Workflow (never a pod an
+        older generation left), gated (or, for a CPU-only step, not admitted by anyone and not
+        finished), not being deleted, not another attempt's; the newest first."""
         claimed = self._claimed_uids()
         mine = [
             p
             for p in candidates
             if (p.get("metadata") or {}).get("labels", {}).get(LABEL_JOB) == t.job_id
             and (p.get("metadata") or {}).get("labels", {}).get(LABEL_STEP) == t.step_label
+            and pod_workflow(p) == t.workflow
             and not pods.is_deleting(p)
             and p["metadata"].get("uid") not in claimed
         ]
@@ -275,10 +351,17 @@ class ArgoExecutor:
         ]
         return max(ungated, key=_created) if ungated else None
 
-    def _admit(self, t: _Attempt, pod: Obj) -> None:
-        """Claim `pod` for `t`, admitting it (one patch) when it is gated. Raises ExecutorError."""
+    def _admit(self, t: _Attempt, pod: Obj, listed: list[Obj]) -> None:
+        """Claim `pod` for `t`, admitting it (one patch) when it is gated: first its node is
+        checked and lent (`NodeLending.prepare_admission`, with `listed`, the installation's pods,
+        for lowtide's own not yet bound). Raises ExecutorError (`NodeBusy`: it does not fit)."""
         meta = pod["metadata"]
         if pods.is_gated(pod):
+            # The token first (the kubelet mounts the job's Secret once the gate is gone:
+            # step_tokens), before the node is lent, so a failed write leaves nothing to undo.
+            self._step_tokens.deliver(t.attempt_id, t.job_id, t.step_label, pod, workflow=t.workflow)
+            if self._lending is not None:
+                self._lending.prepare_admission(t.node, pod, listed)
             try:
                 self._core.patch_namespaced_pod(
                     meta["name"],
@@ -289,7 +372,10 @@ class ArgoExecutor:
                     _preload_content=False,
                 )
             except Exception as exc:
+                if self._lending is not None:
+                    self._lending.release(str(meta.get("uid", "")))
                 raise self._error(exc, "patch", "pods") from exc
+        self._step_tokens.forget(t.attempt_id)
         t.pod, t.uid, t.node_id = meta["name"], meta["uid"], pods.pod_node_id(pod)
         log.info("attempt %s: admitted pod %s/%s on %s", t.attempt_id, self._ns, t.pod, t.node)
 
@@ -298,7 +384,14 @@ class ArgoExecutor:
         if pod is None:
             return
         try:
-            self._admit(t, pod)
+            self._admit(t, pod, candidates)
+        except NodeBusy as exc:
+            # The node cannot take it now: requeued after a backoff (no retry used), as a pod no
+            # node takes; the gated pod stays for the next attempt.
+            self._exit(
+                t,
+                AttemptExit(t.attempt_id, None, None, now, reason=ExitReason.UNSCHEDULABLE, detail=str(exc)),
+            )
         except ExecutorError as exc:
             if exc.temporary:
                 log.info("attempt %s: admission deferred: %s", t.attempt_id, exc)
@@ -319,36 +412,50 @@ class ArgoExecutor:
             ref = f"{self._ns}/@{t.job_id}/{t.step_label}"
         return AttemptHandle(ref, t.started_at, None)
 
+    def _drop(self, attempt_id: int) -> None:
+        """Forget an attempt this process will not carry on with (and the token it held)."""
+        self._attempts.pop(attempt_id, None)
+        self._step_tokens.forget(attempt_id)
+
     # -- the port ------------------------------------------------------------------------------
 
     def launch(self, request: LaunchRequest, now: float) -> AttemptHandle:
         try:
-            self._ensure_workflow(request.job_id)
+            workflow = self._ensure_workflow(request.job_id)
         except ExecutorError:
             raise
         except ValueError as exc:  # ArgoCompileError: the job cannot become a Workflow
             raise ExecutorError(f"cannot compile job {request.job_id}: {exc}", temporary=False) from exc
-        t = _Attempt(request.attempt_id, request.job_id, dns_label(request.step), request.node, now)
+        t = _Attempt(
+            request.attempt_id, request.job_id, dns_label(request.step), request.node, now, workflow=workflow
+        )
         resume_from = request.env.get("LOWTIDE_RESUME_FROM")
         if resume_from:
             t.annotations[pods.RESUME_ANNOTATION] = resume_from
+        self._step_tokens.hold(request.attempt_id, request.env.get("LOWTIDE_STEP_TOKEN"))
         self._attempts[request.attempt_id] = t
+        # With node lending the fit check needs all of the installation's pods (its own pinned, not
+        # yet bound); `_claimable` picks the step's among them.
+        step_pods = f"{LABEL_JOB}={t.job_id},{LABEL_STEP}={t.step_label}"
         try:
-            candidates = self._list_pods(f"{LABEL_JOB}={t.job_id},{LABEL_STEP}={t.step_label}")
+            candidates = self._list_pods(LABEL_JOB if self._lending is not None else step_pods)
         except Exception as exc:
             err = self._error(exc, "list", "pods")
             if not err.temporary:
-                del self._attempts[request.attempt_id]
+                self._drop(request.attempt_id)
                 raise err from exc
             log.info("attempt %s: pods not listed (%s); admission at a later poll", t.attempt_id, err)
             return self._handle(t)
         pod = self._claimable(t, candidates)
         if pod is not None:
             try:
-                self._admit(t, pod)
+                self._admit(t, pod, candidates)
+            except NodeBusy:
+                self._drop(request.attempt_id)
+                raise  # the loop's launch failure path: no retry used, a backoff, placed again
             except ExecutorError as exc:
                 if not exc.temporary:
-                    del self._attempts[request.attempt_id]
+                    self._drop(request.attempt_id)
                     raise
                 log.info("attempt %s: admission deferred: %s", t.attempt_id, exc)
         return self._handle(t)
@@ -379,7 +486,7 @@ class ArgoExecutor:
     def poll(self, now: float) -> PollReport:
         started: list[AttemptStarted] = []
         live = [t for t in self._attempts.values() if t.attempt_id not in self._unacked]
-        if live:
+        if live or (self._lending is not None and self._lending.needs_pods(now)):
             try:
                 self._observe(live, now, started)
             except Exception as exc:
@@ -391,19 +498,26 @@ class ArgoExecutor:
 
     def _observe(self, live: list[_Attempt], now: float, started: list[AttemptStarted]) -> None:
         all_pods = self._list_pods(LABEL_JOB)
+        self._observe_attempts(live, all_pods, now, started)
+        if self._lending is not None:  # after this poll's admissions (held until listed admitted)
+            self._lending.reconcile(all_pods, now)
+
+    def _observe_attempts(
+        self, live: list[_Attempt], all_pods: list[Obj], now: float, started: list[AttemptStarted]
+    ) -> None:
         by_uid = {p["metadata"]["uid"]: p for p in all_pods}
         workflows: dict[str, Obj | None] = {}
 
-        def workflow(job_id: str) -> Obj | None:
-            if job_id not in workflows:
-                workflows[job_id] = self._get_workflow(job_id)
-            return workflows[job_id]
+        def workflow(name: str) -> Obj | None:
+            if name not in workflows:
+                workflows[name] = self._get_workflow(name)
+            return workflows[name]
 
         for t in live:
             if t.uid is None:
                 self._try_admit(t, all_pods, now)
                 if t.uid is None:
-                    self._check_not_abandoned(t, workflow(t.job_id), now)
+                    self._check_not_abandoned(t, workflow(t.workflow), now)
                     continue
             if t.delete_due is not None and self._delete_pod(t, self._grace(t.delete_due, now)):
                 t.delete_due = None
@@ -413,7 +527,7 @@ class ArgoExecutor:
             if t.attempt_id in self._unacked:
                 continue
             if pod is None or pods.pod_phase(pod) in ("Succeeded", "Failed"):
-                self._observe_node(t, workflow(t.job_id), pod is None, now)
+                self._observe_node(t, workflow(t.workflow), pod is None, now)
 
     def _observe_pod(self, t: _Attempt, pod: Obj, now: float, started: list[AttemptStarted]) -> None:
         phase = pods.pod_phase(pod)
@@ -458,8 +572,8 @@ class ArgoExecutor:
     def _check_not_abandoned(self, t: _Attempt, wf: Obj | None, now: float) -> None:
         """An attempt waiting for its pod whose Workflow is gone or over will never get one."""
         if wf is None:
-            if t.job_id in self._submitted:
-                detail = f"workflow {self._ns}/{t.job_id} was deleted"
+            if t.workflow in self._submitted:
+                detail = f"workflow {self._ns}/{t.workflow} was deleted"
                 self._exit(
                     t, AttemptExit(t.attempt_id, None, None, now, reason=ExitReason.DELETED, detail=detail)
                 )
@@ -470,13 +584,13 @@ class ArgoExecutor:
             # cluster.md "Known limits"), or the Workflow was stopped: the step cannot run again
             # in it. A failure of the step (it uses a retry), so the job ends rather than waits.
             message = (wf.get("status") or {}).get("message") or ""
-            detail = f"workflow {self._ns}/{t.job_id} is {phase} ({message}): Argo runs no more pods for it"
+            detail = f"workflow {self._ns}/{t.workflow} is {phase} ({message}): Argo runs no more pods for it"
             self._exit(t, AttemptExit(t.attempt_id, None, None, now, reason=ExitReason.EXITED, detail=detail))
 
     def _observe_node(self, t: _Attempt, wf: Obj | None, pod_gone: bool, now: float) -> None:
         if wf is None:
             if pod_gone:
-                detail = f"workflow {self._ns}/{t.job_id} and its pod were deleted"
+                detail = f"workflow {self._ns}/{t.workflow} and its pod were deleted"
                 self._exit(
                     t, AttemptExit(t.attempt_id, None, None, now, reason=ExitReason.DELETED, detail=detail)
                 )
@@ -500,11 +614,36 @@ class ArgoExecutor:
     def ack_exit(self, attempt_id: int) -> None:
         if self._unacked.pop(attempt_id, None) is not None:
             self._attempts.pop(attempt_id, None)
+            self._step_tokens.forget(attempt_id)
 
     def end_job(self, job_id: str, now: float) -> None:
-        """The job will start nothing more: stop its Workflow (`spec.shutdown: Stop`), so that
-        Argo's retry strategy creates no new pod for it (a missing Workflow: nothing to stop)."""
-        self.stop_workflow(job_id)
+        """The job will start nothing more: stop its current generation's Workflow (`spec.shutdown:
+        Stop`), so that Argo's retry strategy creates no new pod for it (a missing Workflow:
+        nothing to stop). The name is compiled afresh (the store may have retried the job since
+        this process last launched a step of it); when the job cannot compile (so no Workflow of
+        it was made since), every Workflow of the job that still runs is stopped; when the store
+        cannot be read, the Workflow this process last compiled for the job (else the error goes
+        to the loop, which tries again at its next tick). Earlier generations stay as they are,
+        but for one still running that no launch of the current one stopped (`_stop_older`)."""
+        try:
+            name = self._compile(job_id).name
+        except ExecutorError:
+            raise
+        except NothingLeftToRun as done:  # a retried job that SUCCEEDED: the Workflow it ran in
+            name = done.workflow
+        except ValueError as exc:  # ArgoCompileError (settings changed since?): by label
+            log.warning("job %s does not compile (%s); stopping its running workflows by label", job_id, exc)
+            for wf in self._wf_api.list(f"{LABEL_JOB}={job_id}"):
+                if (wf.get("status") or {}).get("phase") not in _TERMINAL_WF:
+                    self.stop_workflow(str((wf.get("metadata") or {}).get("name", "")))
+            return
+        except Exception:  # the store cannot say now (an outage)
+            if job_id not in self._current:
+                raise
+            name = self._current[job_id]
+        self.stop_workflow(name)
+        if name != job_id and name not in self._swept:
+            self._stop_older(job_id, name)  # retried before the loop ended it, and never launched
 
     def adopt(self, request: AdoptRequest, now: float) -> AdoptResult:
         handle = request.handle
@@ -546,6 +685,7 @@ class ArgoExecutor:
                 str(labels.get(LABEL_STEP, "")),
                 "",
                 handle.started_at,
+                workflow=pod_workflow(pod) or str(labels.get(LABEL_JOB, "")),
                 pod=name,
                 uid=uid,
                 node_id=pods.pod_node_id(pod),
@@ -556,7 +696,7 @@ class ArgoExecutor:
             if request.stop_deadline is not None and not pods.is_deleting(pod):
                 t.delete_due = request.stop_deadline  # notice given, its delete not seen: sent again
             self._attempts[t.attempt_id] = t
-            self._submitted.add(t.job_id)
+            self._submitted.add(t.workflow)
             return AdoptResult(AdoptOutcome.ADOPTED)
         # The pod is gone: its node in the job's Workflow may have recorded how it ended.
         found = self._node_of_pod(name)
@@ -597,8 +737,14 @@ class ArgoExecutor:
     def _adopt_unclaimed(
         self, request: AdoptRequest, handle: AttemptHandle, job_id: str, step_label: str, now: float
     ) -> AdoptResult:
-        """A handle recorded before a pod was claimed: the step's pod this process or the last one
-        admitted (not gated, not finished, not someone else's), or its gated pod, or none yet."""
+        """A handle recorded before a pod was claimed: the step's pod of the job's current Workflow
+        that this process or the last one admitted (not gated, not finished, not someone else's),
+        or none yet."""
+        try:
+            workflow = self._compile(job_id).name
+        except ValueError as exc:  # it compiled at launch; the settings changed since
+            log.warning("attempt %s: job %s does not compile: %s", request.attempt_id, job_id, exc)
+            return AdoptResult(AdoptOutcome.LOST)
         candidates = self._list_pods(f"{LABEL_JOB}={job_id},{LABEL_STEP}={step_label}")
         claimed = self._claimed_uids()
         t = _Attempt(
@@ -607,13 +753,15 @@ class ArgoExecutor:
             step_label,
             "",
             handle.started_at,
+            workflow=workflow,
             deadline=request.stop_deadline,
             deleted=request.stop_deadline is not None,
         )
         admitted = [
             p
             for p in candidates
-            if not pods.is_gated(p)
+            if pod_workflow(p) == workflow
+            and not pods.is_gated(p)
             and not pods.is_deleting(p)
             and pods.pod_phase(p) in ("Pending", "Running")
             and p["metadata"].get("uid") not in claimed
@@ -623,11 +771,11 @@ class ArgoExecutor:
             t.pod, t.uid, t.node_id = pod["metadata"]["name"], pod["metadata"]["uid"], pods.pod_node_id(pod)
             t.node = str(((pod.get("spec") or {}).get("nodeSelector") or {}).get(pods.HOSTNAME_LABEL, ""))
         self._attempts[t.attempt_id] = t
-        self._submitted.add(job_id)
+        self._submitted.add(workflow)
         if t.uid is None:
             # Nothing admitted: it may still be admitted (its node is in the store, not here).
             log.warning("attempt %s: no admitted pod found; it is withdrawn", request.attempt_id)
-            del self._attempts[t.attempt_id]
+            self._drop(t.attempt_id)
             return AdoptResult(AdoptOutcome.LOST)
         return AdoptResult(AdoptOutcome.ADOPTED, handle=self._handle(t))
 
@@ -639,7 +787,7 @@ class ArgoExecutor:
         for attempt_id in [
             a for a in self._attempts if a not in known_attempt_ids and a not in self._unacked
         ]:
-            del self._attempts[attempt_id]
+            self._drop(attempt_id)
         try:
             listed = self._list_pods(LABEL_JOB)
         except Exception as exc:
@@ -671,15 +819,30 @@ class ArgoExecutor:
                 )
         return []
 
-    def stop_workflow(self, job_id: str) -> bool:
-        """Cancel a whole job in Argo: `spec.shutdown: Stop` (Argo deletes its pods and starts no
-        more). False when there is no such Workflow. Raises ExecutorError."""
-        return self._wf_api.stop(job_id)
+    def stop_workflow(self, workflow: str) -> bool:
+        """Stop the Workflow named `workflow` (a job id is its generation 0): `spec.shutdown: Stop`
+        (Argo deletes its pods and starts no more). False when there is no such Workflow. Raises
+        ExecutorError."""
+        return self._wf_api.stop(workflow)
 
     def close(self) -> None:
         """Stop watching (pods keep running; a later control plane adopts them)."""
         self._wf_api.close()
         self._client.close()
+
+
+def pod_workflow(pod: Mapping[str, Any]) -> str:
+    """The name of the Workflow that made `pod`: Argo's label `workflows.argoproj.io/workflow`,
+    else its controller ownerReference to a Workflow (module docstring, "Generations"); "" if
+    neither is there (not a pod of Argo's)."""
+    meta = pod.get("metadata") or {}
+    name = (meta.get("labels") or {}).get(WORKFLOW_LABEL)
+    if isinstance(name, str) and name:
+        return name
+    for ref in meta.get("ownerReferences") or []:
+        if isinstance(ref, Mapping) and ref.get("kind") == "Workflow" and ref.get("controller"):
+            return str(ref.get("name", ""))
+    return ""
 
 
 def _created(pod: Mapping[str, Any]) -> tuple[str, str]:

@@ -10,9 +10,16 @@ Must not: read configuration, files or the clock, talk to Kubernetes, or decide 
 
 The mechanism, and the Argo facts it rests on (argo-workflows v4.1.2, commit f016ad89):
 
-- **One Workflow per job**, named after the job id (so a repeated create is a 409, never a second
-  job); an entry DAG template `lowtide-job` whose tasks are the steps in topological order, each
-  with `dependencies` on its upstream steps; one container template per step.
+- **One Workflow per job generation**: generation 0 is named after the job id (so a repeated
+  create is a 409, never a second job); an entry DAG template `lowtide-job` whose tasks are the
+  steps in topological order, each with `dependencies` on its upstream steps; one container
+  template per step. A job reopened by `lowtide retry` (`policy.retry`) cannot go on in its
+  stopped Workflow (Argo runs no more pods in a Workflow with `spec.shutdown`), so each retry is a
+  new generation: a Workflow named `<job id>-r<N>` (`workflow_name`; N from the retry's time as
+  the store keeps it, `job_generation`), annotated `lowtide.io/generation: N`, holding only the
+  steps lowtide has not SUCCEEDED, their dependencies on succeeded steps dropped (inputs and
+  outputs are object-storage URIs the step reads itself, not Argo artifacts: the DAG only orders).
+  The name is deterministic, so a restart or a create whose answer was lost gets the same 409.
 - **Names** are DNS-1123 labels (a-z, 0-9, '-', at most 63), stricter than Argo's template/task
   rule `[a-zA-Z0-9][-a-zA-Z0-9]*` up to 128 (workflow/validate/validate.go) and its 63-character
   workflow name. A name that is not one already, or that collides, gets a hash suffix; the
@@ -28,7 +35,11 @@ The mechanism, and the Argo facts it rests on (argo-workflows v4.1.2, commit f01
   skips expression templates (util/template/validate.go). The same value is the pod label
   `lowtide.io/attempt`. Per-attempt values the Workflow cannot carry arrive as pod annotations set
   at admission (`LOWTIDE_RESUME_FROM`), read through a downward-API file (`PODINFO_VOLUME`) by the
-  step shim; the step token is not delivered (docs/cluster.md). Parameters are also listed in
+  step shim. The step token (a secret) is not an annotation: each GPU template mounts the key of
+  its step label from the Workflow's Secret `<workflow name>-step-tokens` (`TOKEN_VOLUME`, `optional`, mode
+  0444) and names the file in `LOWTIDE_STEP_TOKEN_FILE`; the executor writes the attempt's token
+  there before it removes the gate (`step_tokens`). CPU-only templates have no token volume (their
+  pod may start before the token is written). Parameters are also listed in
   `spec.arguments.parameters` (shown by the Argo UI); commands already have their values filled.
 - **Inputs, outputs and checkpoints** are URIs under the artifact root, which must be remote
   (`s3://...`): a pod has no access to lowtide's local disk. Object storage credentials come from a
@@ -72,7 +83,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +95,7 @@ from lowtide.domain.spec_render import param_text, render_step, topological_orde
 
 __all__ = [
     "ADMISSION_GATE",
+    "ANNOTATION_GENERATION",
     "API_VERSION",
     "ATTEMPT_VALUE",
     "DAG_TEMPLATE",
@@ -92,13 +104,18 @@ __all__ = [
     "LABEL_STEP",
     "RESULT_COMPLETED",
     "RESULT_PARAMETER",
+    "TOKEN_DIR",
     "ArgoCompileError",
     "ArgoSettings",
     "CompiledWorkflow",
+    "NothingLeftToRun",
     "compile_workflow",
     "dns_label",
+    "job_generation",
     "retry_expression",
     "settings_problems",
+    "token_secret_name",
+    "workflow_name",
 ]
 
 API_VERSION = "argoproj.io/v1alpha1"
@@ -108,6 +125,8 @@ LABEL_STEP = "lowtide.io/step"
 LABEL_ATTEMPT = "lowtide.io/attempt"
 ANNOTATION_STEPS = "lowtide.io/steps"
 ANNOTATION_JOB_NAME = "lowtide.io/job-name"
+#: On a retried job's Workflow: its generation N (the name's `-r<N>`); generation 0 has none.
+ANNOTATION_GENERATION = "lowtide.io/generation"
 #: The entry DAG template's name (a step of that name gets a suffixed one).
 DAG_TEMPLATE = "lowtide-job"
 #: The attempt number (1-based) as an Argo expression template, resolved per retry child.
@@ -118,6 +137,13 @@ RUN_VOLUME = "lowtide-run"
 #: A downward-API volume with the pod's annotations (the attempt's resume point, set at admission).
 PODINFO_VOLUME = "lowtide-podinfo"
 GPU_RESOURCE = "nvidia.com/gpu"
+#: The job's token Secret mounted read-only (GPU templates only): the attempt's step token.
+TOKEN_VOLUME = "lowtide-step-token"  # noqa: S105 - a volume name, not a token
+TOKEN_DIR = "/var/run/lowtide-token"  # noqa: S105 - a mount path, not a token
+#: Files of a secret volume are owned by root; the compiler sets no securityContext, so the
+#: step may run as any user: 0444 lets a non-root step read it (only this pod mounts it).
+TOKEN_FILE_MODE = 0o444
+TOKEN_SECRET_SUFFIX = "-step-tokens"  # noqa: S105 - a name suffix, not a token
 _MAX_LABEL = 63
 _LABEL_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 _ENV_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -125,6 +151,15 @@ _ENV_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 class ArgoCompileError(ValueError):
     """A job or setting that cannot become a Workflow; the message names where and why."""
+
+
+class NothingLeftToRun(ArgoCompileError):
+    """A retried generation whose steps all SUCCEEDED: no Workflow to build, but its name is known
+    (`workflow`: the one the job ran in, which `end_job` stops)."""
+
+    def __init__(self, workflow: str) -> None:
+        super().__init__(f"every step of {workflow} SUCCEEDED: nothing is left to run")
+        self.workflow = workflow
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +221,7 @@ def settings_problems(s: ArgoSettings) -> list[str]:
         )
     if not s.shim_command or any(not part for part in s.shim_command):
         problems.append("shim_command must be a non-empty list of non-empty strings")
-    if not s.run_dir.startswith("/") or s.run_dir.rstrip("/") in ("", "/var/run/argo"):
+    if not s.run_dir.startswith("/") or s.run_dir.rstrip("/") in ("", "/var/run/argo", TOKEN_DIR):
         problems.append(f"run_dir {s.run_dir!r} must be an absolute path of its own")
     if not re.fullmatch(r"[-._a-zA-Z0-9]{1,253}", s.secret_key):
         problems.append(f"secret_key {s.secret_key!r} is not a valid Secret key")
@@ -206,6 +241,37 @@ class CompiledWorkflow:
     @property
     def name(self) -> str:
         return str(self.manifest["metadata"]["name"])
+
+
+def token_secret_name(workflow: str) -> str:
+    """The step-token Secret of the Workflow named `workflow` (a job id, or `<job id>-r<N>`):
+    a DNS-1123 subdomain, as a Workflow name is a label of at most 63."""
+    return f"{workflow}{TOKEN_SECRET_SUFFIX}"
+
+
+def workflow_name(job_id: str, generation: int = 0) -> str:
+    """The name of the job's Workflow of `generation`: the job id for 0, else `<job id>-r<N>`."""
+    if generation < 0:
+        raise ArgoCompileError(f"generation {generation} is negative")
+    return job_id if generation == 0 else f"{job_id}-r{generation}"
+
+
+def job_generation(retried_at: Mapping[str, float | None], succeeded: Collection[str]) -> int:
+    """The generation of a job's current Workflow, from what the store keeps of its steps:
+    `retried_at` (step name -> when `lowtide retry` last reopened it, None if never) and the
+    steps that SUCCEEDED. 0 for a job never retried; else the time of the latest retry in whole
+    milliseconds (at least 1), so two retries of one job within one second still differ.
+
+    A retry reopens every step that has not SUCCEEDED and stamps them all with its time
+    (`store.jobs_repo.retry_job`); a SUCCEEDED step is never reopened later. So every step not
+    SUCCEEDED carries the latest retry's time, whatever the clock did between retries: they are
+    read first. Only when all steps SUCCEEDED (nothing left to launch; `end_job` of a SUCCEEDED
+    job) is it the newest stamp of all."""
+    unfinished = [t for name, t in retried_at.items() if name not in succeeded]
+    stamps = [t for t in (unfinished or retried_at.values()) if t is not None]
+    if not stamps:
+        return 0
+    return max(1, math.floor(max(stamps) * 1000))
 
 
 def _digest(text: str) -> str:
@@ -304,6 +370,7 @@ def _step_template(
     name: str,
     job_label: str,
     job_id: str,
+    workflow: str,
     settings: ArgoSettings,
 ) -> dict[str, Any]:
     where = f"steps.{step.name}"
@@ -334,6 +401,9 @@ def _step_template(
         container["envFrom"] = [{"secretRef": {"name": settings.storage_secret}}]
     if resolved.gpus > 0:
         container["resources"] = {"limits": {GPU_RESOURCE: resolved.gpus}}
+        # Gated: the kubelet mounts the Secret after admission, which wrote the attempt's token.
+        container["volumeMounts"].append({"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True})
+        env.append({"name": "LOWTIDE_STEP_TOKEN_FILE", "value": join_uri(TOKEN_DIR, "token")})
     template: dict[str, Any] = {
         "name": name,
         "metadata": {
@@ -364,6 +434,17 @@ def _step_template(
         },
     }
     if resolved.gpus > 0:
+        template["volumes"].append(
+            {
+                "name": TOKEN_VOLUME,
+                "secret": {
+                    "secretName": token_secret_name(workflow),
+                    "items": [{"key": dns_label(step.name), "path": "token"}],
+                    "defaultMode": TOKEN_FILE_MODE,
+                    "optional": True,
+                },
+            }
+        )
         grace = math.ceil(spec.grace_seconds + settings.grace_margin_seconds)
         patch = {"schedulingGates": [{"name": ADMISSION_GATE}], "terminationGracePeriodSeconds": grace}
         template["podSpecPatch"] = json.dumps(patch, sort_keys=True, separators=(",", ":"))
@@ -376,12 +457,26 @@ def compile_workflow(
     job_id: str,
     settings: ArgoSettings,
     resolved: Mapping[str, ResolvedStep] | None = None,
+    generation: int = 0,
+    succeeded: Collection[str] = frozenset(),
 ) -> CompiledWorkflow:
     """The Workflow job `job_id` of `spec` becomes (module docstring). `resolved` are the steps as
     stored for the job (default: rendered here under `settings.artifact_root`, as `lowtide submit`
-    does). Raises ArgoCompileError naming the step and field when something cannot be expressed."""
+    does). `generation` > 0: the Workflow of a retried job (`job_generation`), without the steps
+    in `succeeded` (which generation 0, the whole job, must not name). Raises ArgoCompileError
+    naming the step and field when something cannot be expressed."""
     if not _LABEL_RE.fullmatch(job_id):
         raise ArgoCompileError(f"job id {job_id!r} is not a DNS-1123 label (a-z, 0-9, '-', at most 63)")
+    name = workflow_name(job_id, generation)
+    if not _LABEL_RE.fullmatch(name):
+        raise ArgoCompileError(f"workflow name {name!r} is not a DNS-1123 label (at most 63)")
+    unknown = sorted(set(succeeded) - {s.name for s in spec.steps})
+    if unknown:
+        raise ArgoCompileError(f"succeeded steps {unknown} are not steps of the job")
+    if succeeded and generation == 0:
+        raise ArgoCompileError("generation 0 is the whole job: only a retried generation leaves steps out")
+    if succeeded and all(s.name in succeeded for s in spec.steps):
+        raise NothingLeftToRun(name)
     layout = ArtifactLayout(settings.artifact_root, work_root=settings.run_dir)
     if resolved is None:
         try:
@@ -407,14 +502,17 @@ def compile_workflow(
     for step_name in order:
         names[step_name] = dns_label(step_name, taken=frozenset(taken))
         taken.add(names[step_name])
+    # Names are chosen over all the steps, so a step keeps its names in every generation.
+    names = {step_name: names[step_name] for step_name in order if step_name not in succeeded}
     job_label = job_id
     tasks: list[dict[str, Any]] = []
     templates: list[dict[str, Any]] = []
-    for step_name in order:
+    for step_name in names:
         step = spec.step(step_name)
         task: dict[str, Any] = {"name": names[step_name], "template": names[step_name]}
-        if step.depends:
-            task["dependencies"] = [names[d] for d in step.depends]
+        depends = [names[d] for d in step.depends if d not in succeeded]
+        if depends:
+            task["dependencies"] = depends
         tasks.append(task)
         templates.append(
             _step_template(
@@ -424,6 +522,7 @@ def compile_workflow(
                 name=names[step_name],
                 job_label=job_label,
                 job_id=job_id,
+                workflow=name,
                 settings=settings,
             )
         )
@@ -438,17 +537,20 @@ def compile_workflow(
         }
     if settings.service_account:
         wf_spec["serviceAccountName"] = settings.service_account
+    annotations = {
+        ANNOTATION_JOB_NAME: spec.name,
+        ANNOTATION_STEPS: json.dumps(names, sort_keys=True, separators=(",", ":")),
+    }
+    if generation:
+        annotations[ANNOTATION_GENERATION] = str(generation)
     manifest: dict[str, Any] = {
         "apiVersion": API_VERSION,
         "kind": "Workflow",
         "metadata": {
-            "name": job_label,
+            "name": name,
             "namespace": settings.namespace,
             "labels": {LABEL_JOB: job_label},
-            "annotations": {
-                ANNOTATION_JOB_NAME: spec.name,
-                ANNOTATION_STEPS: json.dumps(names, sort_keys=True, separators=(",", ":")),
-            },
+            "annotations": annotations,
         },
         "spec": wf_spec,
     }
