@@ -28,6 +28,10 @@ from lowtide.policy.scheduler import SchedulerPolicy
 
 DEFAULT_CONFIG_FILE = "lowtide.yaml"
 _NAME_RULE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+#: A node's name: a DNS-1123 subdomain (Kubernetes names nodes so, e.g. `ip-10-0-1-2.ec2.internal`)
+#: of at most 63 characters, because cluster mode pins pods with the `kubernetes.io/hostname`
+#: label, whose values are at most 63 (docs/cluster.md "Lent GPUs on nodes").
+_NODE_NAME_RULE = re.compile(r"(?=.{1,63}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 
@@ -70,8 +74,12 @@ class NodeConfig(_Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not _NAME_RULE.match(v):
-            raise ValueError("node names use lowercase letters, digits and '-' (at most 63)")
+        if not _NODE_NAME_RULE.fullmatch(v):
+            raise ValueError(
+                "node names use lowercase letters, digits, '-' and '.' between such labels, at most "
+                "63 characters (a Kubernetes node name that is also a valid kubernetes.io/hostname "
+                "label value, e.g. ip-10-0-1-2.ec2.internal)"
+            )
         return v
 
     @field_validator("gpus")

@@ -88,6 +88,9 @@ def test_settings_resolve_relative_paths_against_the_file(
     [
         ("nodes: [{name: n1, gpus: -1}]", "nodes[0].gpus"),
         ("nodes: [{name: N_1, gpus: 1}]", "nodes[0].name"),
+        ("nodes: [{name: a..b, gpus: 1}]", "nodes[0].name"),
+        ("nodes: [{name: .a, gpus: 1}]", "nodes[0].name"),
+        ("nodes: [{name: " + "a" * 60 + ".com, gpus: 1}]", "at most 63"),
         ("nodes: [{name: a, gpus: 1}, {name: a, gpus: 2}]", "duplicate node name"),
         ("tick_seconds: 0", "tick_seconds"),
         ("scheduler: {fair_share_half_life: soon}", "scheduler.fair_share_half_life"),
@@ -114,6 +117,13 @@ def test_bad_settings_name_the_field(tmp_path: Path, text: str, expected: str) -
     with pytest.raises(ConfigError, match=None) as err:
         load_settings(cfg)
     assert expected in str(err.value) and str(cfg) in str(err.value)
+
+
+def test_node_names_may_be_kubernetes_node_names_with_dots(tmp_path: Path) -> None:
+    """EKS names its nodes ip-10-0-1-2.ec2.internal; cluster mode pins pods by that name."""
+    cfg = tmp_path / "lowtide.yaml"
+    cfg.write_text("nodes: [{name: ip-10-0-1-2.ec2.internal, gpus: 8}, {name: gpu-3, gpus: 2}]")
+    assert [n.name for n in load_settings(cfg).nodes] == ["ip-10-0-1-2.ec2.internal", "gpu-3"]
 
 
 def test_missing_explicit_config_and_durations(tmp_path: Path) -> None:

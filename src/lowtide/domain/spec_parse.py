@@ -19,9 +19,11 @@ Must not: parse text, read files, read the clock, or know about executors or the
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from lowtide.domain.image_ref import image_problem
 from lowtide.domain.spec import (
     DEFAULT_GRACE_SECONDS,
     PRIORITY_NAMES,
@@ -49,7 +51,8 @@ from lowtide.domain.spec_issues import (
     suggest,
     template_prefix,
 )
-from lowtide.domain.spec_steps import check_placeholders, check_steps, check_timeout
+from lowtide.domain.spec_render import PLACEHOLDER_RE, param_text
+from lowtide.domain.spec_steps import CheckedStep, check_placeholders, check_steps, check_timeout
 
 __all__ = ["MAX_GRACE_SECONDS", "TemplateLookup", "build_job_spec", "image_warnings", "require_images"]
 
@@ -387,6 +390,8 @@ def build_job_spec(
             if "name" not in doc and "name" not in tdoc:
                 issues.add("name", f"required (the template {template!r} gives none)")
 
+    if steps is not None:
+        _check_images(steps, params, issues)
     if issues.items:
         raise SpecInvalid(issues.items)
     assert steps is not None
@@ -446,6 +451,28 @@ def _load_template(
         issues.add(f"{template_prefix(use)}{DOCUMENT}", f"the top level must be a mapping, got {kind(tdoc)}")
         return None, None
     return use, tdoc
+
+
+def _check_images(steps: Sequence[CheckedStep], params: Mapping[str, Any], issues: Issues) -> None:
+    """Each step's image, its `{{params.X}}` filled in, must be a pullable reference
+    (`domain.image_ref`); one still holding another placeholder is left to rendering."""
+
+    def fill(match: re.Match[str]) -> str:
+        inner = match.group(1)
+        name = inner.removeprefix("params.")
+        if inner.startswith("params.") and params.get(name) is not None:
+            return param_text(params[name])
+        return match.group(0)
+
+    for step in steps:
+        if step.image is None:
+            continue
+        image = PLACEHOLDER_RE.sub(fill, step.image)
+        if PLACEHOLDER_RE.search(image):
+            continue
+        problem = image_problem(image)
+        if problem is not None:
+            issues.add(f"{step.loc}.image", f"{problem}; got {excerpt(image)}")
 
 
 def require_images(spec: JobSpec, runtime: str) -> None:
