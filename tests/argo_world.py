@@ -5,13 +5,20 @@ while `argo_sim` plays Argo's controller and the kubelet on the loop's fake cloc
 Shared by `tests/integration/test_argo_executor.py`, `tests/integration/test_argo_end_job.py`
 and the `fake` backend of the cluster tier (`tests/cluster`). `argo_world()` yields a `World`
 (recovered, ready to tick) and closes its executor afterwards; `World.run` steps the simulated
-cluster, then ticks the loop, until a condition holds. Must not: hold test assertions.
+cluster, then ticks the loop, until a condition holds.
+
+The executor reads pods from a watch cache, which sees a write a few milliseconds after it: after
+each simulated step (and after a test's own pod writes) `settle` waits, bounded, until the cache
+has seen the last pod write in the namespace (its resourceVersion), as a real control loop's next
+poll a second later would. `ArgoSim.settle` does it at the end of each step; a test that breaks
+the watch on purpose turns it off (`World.settling`). Must not: hold test assertions beyond
+"the cache caught up".
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -36,6 +43,10 @@ ROOT = "s3://bucket/lowtide"
 SETTINGS = ArgoSettings(artifact_root=ROOT, namespace=NS, default_image="registry.example/step:1")
 LAYOUT = ArtifactLayout(ROOT, "/work")
 T0 = 1_800_000_000.0
+#: A bound, not a duration: a cache is caught up within milliseconds.
+SETTLE_S = 10.0
+#: Test executors back off 0.05-0.5 s between watch attempts (client-go: 0.8-30 s).
+WATCH_BACKOFF = (0.05, 0.5)
 NODES = (Node("n1", (0, 1)), Node("n2", (0, 1)), Node("n3", (0, 1)))
 
 
@@ -45,9 +56,20 @@ class World:
     sim: ArgoSim
     cluster: FakeCluster
     store: MemoryStore
+    #: Whether `ArgoSim.step` waits for the executor's pod cache (off while a test breaks it).
+    settling: bool = field(default=True, kw_only=True)
+    #: Every executor `executor()` made: closed with the world (a replaced one's watch thread too).
+    made: list[ArgoExecutor] = field(default_factory=list, kw_only=True)
 
     def executor(self, **kw: Any) -> ArgoExecutor:
-        return ArgoExecutor(self.cluster.api_client(), SETTINGS, argo_workflows(self.store, SETTINGS), **kw)
+        kw.setdefault("watch_backoff_s", WATCH_BACKOFF)
+        made = ArgoExecutor(self.cluster.api_client(), SETTINGS, argo_workflows(self.store, SETTINGS), **kw)
+        self.made.append(made)
+        return made
+
+    def settle(self) -> None:
+        if self.settling:
+            settle(self.cluster, self.h.executor)
 
     def run(self, until: Callable[[], bool], limit: int = 300) -> None:
         """Step the simulated cluster, then tick the loop, until `until()` (at most `limit` times)."""
@@ -70,6 +92,19 @@ class World:
         return [r.code for r in self.cluster.requests if r.verb == "create" and r.resource == "workflows"]
 
 
+def settle(cluster: FakeCluster, executor: Any, namespace: str = NS) -> None:
+    """Wait until `executor`'s pod cache has seen the last pod write in `namespace` (only while
+    the fake is listening: a cache cannot catch up with a server that is away)."""
+    if cluster.listening and isinstance(executor, ArgoExecutor):
+        last = cluster.last_write("pods", namespace)
+        assert executor.caught_up(last, SETTLE_S), "the executor's pod cache did not catch up"
+
+
+def settling(sim: ArgoSim, executor: Callable[[], Any]) -> None:
+    """Make each `sim.step()` end with `settle` on the executor `executor()` returns then."""
+    sim.settle = lambda: settle(sim.cluster, executor(), sim.namespace)
+
+
 def argo_world(
     services: tuple[ServiceSetup, ...] = (),
     lending: LendingPolicy | None = None,
@@ -77,11 +112,13 @@ def argo_world(
 ) -> Iterator[World]:
     """A recovered `World` on a fresh fake cluster and memory store (a generator: a fixture body)."""
     clock = FakeClock(T0)
-    cluster = FakeCluster(clock=lambda: datetime.fromtimestamp(clock.now(), UTC))
+    # Bookmarks every 50 ms: a write the cache's selector does not match shows in its version soon.
+    cluster = FakeCluster(clock=lambda: datetime.fromtimestamp(clock.now(), UTC), bookmark_interval=0.05)
     with cluster:
         store = MemoryStore()
         sim = ArgoSim(cluster, clock.now, NS)
         world = World(None, sim, cluster, store)  # type: ignore[arg-type]
+        sim.settle = world.settle
         kw: dict[str, Any] = {}
         if services:
             kw = {"services": services, "lending": lending, "sources": {"chat": FakeMetrics()}}
@@ -97,6 +134,8 @@ def argo_world(
         world.h.recover()
         yield world
         world.h.executor.close()
+        for made in world.made:
+            made.close()  # closing twice is harmless
 
 
 def two_steps(train: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -342,6 +342,7 @@ class Embedded:
     watcher: ExitWatcher = field(default_factory=lambda: ExitWatcher(lambda: None))
     clock_watch: ClockWatch | None = None  # wall-clock jumps (docs/architecture.md §4.3)
     leadership: Leadership | None = None  # the lease, when serving (docs/architecture.md §4.4)
+    events: Any = None  # the Kubernetes Event recorder in cluster mode (`k8s_event_recorder`)
 
     def close(self) -> None:
         """Stop watching processes and close the store. Steps and replicas keep running (the next
@@ -351,6 +352,8 @@ class Embedded:
         if self.inference is not None:
             self.inference.manager.close()
         self.executor.close()
+        if self.events is not None:
+            self.events.close()  # what is queued is written, within a bound
         self.watcher.close()
         self.store.close()
 
@@ -390,21 +393,27 @@ def build(settings: Settings, *, clock: Clock | None = None) -> Embedded:
     # A process ending or a replica answering wakes the loop at once (bound once the loop exists).
     wake = _LateCall()
     watcher = ExitWatcher(wake)
-    executor: Executor = (
-        build_argo_executor(settings, store, nodes)
-        if settings.executor.kind == "argo"
-        else LocalExecutor(
-            store.instance_id(),
-            runtime=runtime,
-            watcher=watcher,
-            env_allowlist=settings.executor.env_allowlist,
-            clock=clock,
+    events = k8s_event_recorder(settings)
+    try:
+        executor: Executor = (
+            build_argo_executor(settings, store, nodes, events=events)
+            if settings.executor.kind == "argo"
+            else LocalExecutor(
+                store.instance_id(),
+                runtime=runtime,
+                watcher=watcher,
+                env_allowlist=settings.executor.env_allowlist,
+                clock=clock,
+            )
         )
-    )
+    except BaseException:
+        if events is not None:
+            events.close(0.0)
+        raise
     layout = ArtifactLayout(artifact_root=settings.artifacts, work_root=settings.work_root)
     scheduler = scheduler_policy(settings, cpus_per_node=os.cpu_count() or 1)
     inference, router = build_inference(
-        settings, nodes, store, store.instance_id(), watcher=watcher, on_progress=wake
+        settings, nodes, store, store.instance_id(), watcher=watcher, on_progress=wake, events=events
     )
     loop = ControlLoop(
         store=store,
@@ -453,6 +462,7 @@ def build(settings: Settings, *, clock: Clock | None = None) -> Embedded:
     app = create_app(ctx)
     wake.target = loop.wake
     embedded = Embedded(settings, nodes, store, executor, loop, app, clock, inference, router, watcher)
+    embedded.events = events
     embedded.clock_watch = ClockWatch(clock)
     ctx.loop_status = embedded.loop_status
     return embedded
@@ -531,6 +541,7 @@ def build_inference(
     *,
     watcher: ExitWatcher | None = None,
     on_progress: Callable[[], None] | None = None,
+    events: Any = None,
 ) -> tuple[InferenceController | None, GatewaySupervisor | None]:
     """The inference side, when there is anything for it to do (services, or lending rules)."""
     if not settings.services and settings.lending.mode == "continuous":
@@ -573,7 +584,9 @@ def build_inference(
     )
     controller = InferenceController(
         store=store,
-        manager=service_manager(settings, instance_id, watcher=watcher, on_progress=on_progress),
+        manager=service_manager(
+            settings, instance_id, watcher=watcher, on_progress=on_progress, events=events
+        ),
         sources={cfg.name: metrics_source(cfg) for cfg in settings.services},
         gateway=router,
         services=setups,
@@ -590,6 +603,7 @@ def service_manager(
     watcher: ExitWatcher | None = None,
     on_progress: Callable[[], None] | None = None,
     api_client: Any = None,
+    events: Any = None,
 ) -> ServiceManager:
     """The service manager of `services[].manager`: local processes, pods of Kubernetes
     Deployments (`adapters.k8s_services`), or both routed by service. `api_client`: a
@@ -618,7 +632,10 @@ def service_manager(
     ]
     timeout = min(c.kubernetes.request_timeout for c in kube if c.kubernetes is not None)
     k8s = KubernetesServiceManager(
-        api_client if api_client is not None else kube_api_client(), targets, request_timeout_s=timeout
+        api_client if api_client is not None else kube_api_client(),
+        targets,
+        request_timeout_s=timeout,
+        events=events,
     )
     if len(kube) == len(settings.services):
         local.close()
@@ -633,7 +650,9 @@ def argo_workflows(store: Any, settings: Any) -> Callable[[str], Any]:
     runtime", "Retrying a job"): the job as stored (its spec document and resolved steps,
     `store.job_detail`) compiled with `settings` (`adapters.argo.workflow.ArgoSettings`), of the
     generation its steps' `retried_at` give (`job_generation`: 0 for a job never retried), without
-    its SUCCEEDED steps when retried. Raises ArgoCompileError or NotFound."""
+    its SUCCEEDED steps when retried, each step's attempt numbers going on from the attempts it
+    had before its retry (started before its `retried_at`: fixed for the generation, so every
+    compile of it gives the same Workflow). Raises ArgoCompileError or NotFound."""
     from lowtide.adapters.argo.workflow import compile_workflow, job_generation  # noqa: PLC0415 - cluster mode only
     from lowtide.domain.spec_parse import build_job_spec  # noqa: PLC0415
     from lowtide.domain.states import StepState  # noqa: PLC0415
@@ -645,6 +664,13 @@ def argo_workflows(store: Any, settings: Any) -> Callable[[str], Any]:
         resolved = {s.name: resolved_from_doc(s.resolved) for s in detail.steps}
         succeeded = {s.name for s in detail.steps if s.state == StepState.SUCCEEDED}
         generation = job_generation({s.name: s.retried_at for s in detail.steps}, succeeded)
+        before: dict[str, int] = {}
+        if generation:
+            retried = {s.name: s.retried_at for s in detail.steps if s.retried_at is not None}
+            for a in detail.attempts:
+                at = retried.get(a.step_name)
+                if at is not None and a.started_at < at:
+                    before[a.step_name] = before.get(a.step_name, 0) + 1
         return compile_workflow(
             spec,
             job_id=job_id,
@@ -652,6 +678,7 @@ def argo_workflows(store: Any, settings: Any) -> Callable[[str], Any]:
             resolved=resolved,
             generation=generation,
             succeeded=succeeded if generation else frozenset(),
+            attempts_before=before,
         )
 
     return compile_job
@@ -680,7 +707,26 @@ def argo_settings(settings: Settings) -> Any:
     )
 
 
-def build_argo_executor(settings: Settings, store: Store, nodes: Sequence[Node] | None = None) -> Executor:
+def k8s_event_recorder(settings: Settings) -> Any:
+    """The Kubernetes Event recorder (`adapters.k8s_events`; docs/cluster.md "Kubernetes Events")
+    when `executor.kind` is argo or a service has `manager: kubernetes`, on its own API client
+    (`argo.kubeconfig` with the Argo executor, else in-cluster credentials, else KUBECONFIG); None
+    otherwise, or when that client cannot be made (the executor or manager then says why)."""
+    kube = any(c.manager == "kubernetes" for c in settings.services)
+    if settings.executor.kind != "argo" and not kube:
+        return None
+    from lowtide.adapters.k8s_events import EventRecorder  # noqa: PLC0415 - cluster mode only
+
+    kubeconfig = settings.argo.kubeconfig if settings.executor.kind == "argo" else None
+    try:
+        return EventRecorder(kube_api_client(kubeconfig, setting="Kubernetes Events"))
+    except ServeError:
+        return None
+
+
+def build_argo_executor(
+    settings: Settings, store: Store, nodes: Sequence[Node] | None = None, *, events: Any = None
+) -> Executor:
     """`executor.kind: argo`: the Argo executor over the cluster's API (`argo.kubeconfig`, else
     in-cluster credentials, else KUBECONFIG), checking and lending the configured `nodes` (default:
     as declared in settings) as Kubernetes Nodes of those names. Raises ConfigError naming the setting."""
@@ -705,6 +751,7 @@ def build_argo_executor(settings: Settings, store: Store, nodes: Sequence[Node] 
         argo_workflows(store, compile_settings),
         workflows_api=argo_workflows_api(settings),
         nodes=_declared_gpus(settings) if nodes is None else {n.name: len(n.gpus) for n in nodes},
+        events=events,
     )
 
 

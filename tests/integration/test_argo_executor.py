@@ -7,11 +7,14 @@ Scenarios: a two-step job through gate → admission → Running → exit 0, wit
 once across a control-plane restart; a preemption (graceful delete, exit 75, PREEMPTED, re-admitted
 on another node, resumed, the finished step untouched); an OOMKill that uses a retry and then
 fails the job; exit 0 after SIGTERM without the shim's marker; an API server answering 503/409
-and losing a create's response; RBAC refusals named; cancel by `spec.shutdown: Stop`.
+and losing a create's response; RBAC refusals named; cancel by `spec.shutdown: Stop`; pods read
+from a watch (a steady poll makes no request; a watch that fails makes the poll keep what it
+knew, and it recovers with nothing lost); a missing watch permission named.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -79,7 +82,7 @@ def test_a_create_that_went_through_unseen_is_answered_409_and_reused(w: World) 
     w.h.restart()
     # The first create times out (a temporary failure: the step waits, no retry used) ...
     w.cluster.inject("create", "workflows", latency=0.8)
-    w.cluster.inject("list", "pods", status=503, times=3)
+    w.cluster.inject("create", "secrets", status=503, times=1)  # the step tokens' Secret: admission waits
     w.cluster.inject("patch", "pods", status=409, times=1)
     w.cluster.inject("get", "workflows", status=500, times=2)
     job = w.h.submit(two_steps())
@@ -346,3 +349,87 @@ current-context: fake
     with pytest.raises(ConfigError, match=r"argo\.kubeconfig"):
         build_argo_executor(load_settings(bad), w.store)  # type: ignore[arg-type]
     executor.close()
+
+
+def pod_requests(w: World, verb: str) -> int:
+    return sum(1 for r in w.cluster.requests if r.resource == "pods" and r.verb == verb)
+
+
+def test_a_steady_poll_reads_pods_from_the_watch_and_makes_no_request(w: World) -> None:
+    job = w.h.submit(two_steps())
+    w.sim.script(job, "train", Script(run_s=60))
+    w.run(lambda: w.running(job, "train"))
+    seen = len(w.cluster.requests)
+    for _ in range(20):  # train runs: every tick polls
+        w.sim.step()
+        w.h.tick()
+    assert w.running(job, "train")
+    assert w.cluster.requests[seen:] == []  # no pods LIST, nothing else either
+    w.run(lambda: w.job_state(job) == "SUCCEEDED")
+    # One LIST and one WATCH in the executor's life: its informer's, at its first read (recover).
+    assert (pod_requests(w, "list"), pod_requests(w, "watch")) == (1, 1)
+    executor = w.h.executor
+    assert isinstance(executor, ArgoExecutor) and executor.pod_cache_problem == ""
+    assert executor.pods_resource_version is not None
+
+
+def test_a_failing_watch_makes_the_poll_keep_what_it_knew_and_it_recovers(w: World) -> None:
+    """The pods watch fails (503) while the rest of the API answers: the stale cache is not read as
+    the truth (the step that finished meanwhile is not reported, nothing is launched or lost); once
+    the watch is back (a fresh LIST), the exit is read and the job goes on."""
+    job = w.h.submit(two_steps())
+    w.sim.script(job, "prep", Script(run_s=5))
+    w.run(lambda: w.running(job, "prep"))
+    prep = w.h.last_attempt(job)
+    executor = w.h.executor
+    assert isinstance(executor, ArgoExecutor)
+    w.settling = False
+    w.cluster.inject("watch", "pods", status=503, times=10_000)
+    w.cluster.app.streams.close_all()  # the watch ends; opening it again fails
+    deadline = time.monotonic() + 10
+    while "HTTP 503" not in executor.pod_cache_problem:
+        assert time.monotonic() < deadline, executor.pod_cache_problem
+        time.sleep(0.01)
+    for _ in range(15):  # prep's pod ends, Argo records it, the Workflow makes train's pod
+        w.sim.step()
+        w.h.tick()
+    assert w.sim.retry_children(job, "prep")[0]["phase"] == "Succeeded"
+    # Don't know: not "prep ended", not "prep's pod is gone"; train is not launched.
+    assert [(a.id, a.state) for a in w.h.store.job_detail(job).attempts] == [(prep.id, AttemptState.RUNNING)]
+    assert "watching pods lowtide.io/job in lowtide" in executor.pod_cache_problem
+
+    w.cluster.clear_faults()
+    w.settling = True
+    w.run(lambda: w.job_state(job) == "SUCCEEDED")
+    attempts = w.h.store.job_detail(job).attempts
+    assert [(a.step_name, a.state, a.exit_code) for a in attempts] == [
+        ("prep", AttemptState.SUCCEEDED, 0),
+        ("train", AttemptState.SUCCEEDED, 0),
+    ]
+    assert executor.pod_cache_problem == ""
+    assert pod_requests(w, "list") >= 2  # the informer listed again after the failed watches
+
+
+def test_a_missing_watch_permission_is_named(w: World) -> None:
+    w.cluster.add_user("nowatch", "nowatch")
+    rules = [
+        {
+            "apiGroups": ["argoproj.io"],
+            "resources": ["workflows"],
+            "verbs": ["create", "get", "list", "patch"],
+        },
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "patch", "delete"]},
+    ]
+    w.cluster.grant("nowatch", rules, NS)
+    job = w.h.submit(two_steps())
+    executor = ArgoExecutor(
+        w.cluster.api_client("nowatch"), SETTINGS, argo_workflows(w.store, SETTINGS), request_timeout_s=2.0
+    )
+    try:
+        request = LaunchRequest(1, job, "prep", 1, "n1", (0,), ("prep",), None, {}, "/w", "/l", "/n")
+        with pytest.raises(ExecutorError) as err:  # as a forbidden LIST: permanent, the rule named
+            executor.launch(request, T0)
+        assert not err.value.temporary and err.value.infrastructure == "kubernetes"
+        assert "verbs [watch] on pods in namespace lowtide" in str(err.value)
+    finally:
+        executor.close()

@@ -26,6 +26,7 @@ import pytest
 from kubernetes import client
 
 from argo_sim import ArgoSim, Script
+from argo_world import settling
 from k8sfake import FakeCluster
 from lowtide.adapters.argo.executor import ArgoExecutor
 from lowtide.adapters.argo.workflow import ArgoSettings
@@ -161,6 +162,7 @@ def _world(nodes: tuple[Node, ...] = NODES, *, drop_cluster_pods_list: bool = Fa
             retry=RetryPolicy(5.0, 5.0),
         )
         world.h.recover()
+        settling(world.sim, lambda: world.h.executor)  # each step waits for the executor's pod cache
         yield world
         world.h.executor.close()
 

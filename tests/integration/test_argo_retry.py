@@ -14,7 +14,10 @@ ended it, whose generation 0 was never stopped and still holds a gated pod → t
 admitted, the old Workflow is stopped when the new one is first used (or, cancelled again before
 any launch, by `end_job`). `end_job` when the job no longer
 compiles stops its running Workflows by label, and when the store cannot be read, the Workflow the
-executor last compiled.
+executor last compiled. Attempt numbers go on across generations: a retried step's pods carry
+`lowtide.io/attempt` and `LOWTIDE_ATTEMPT` equal to the store's attempt number (Argo counts the
+new Workflow's retries from 0; the compiled expression adds the attempts before the retry), while
+the retry expression's budget is the whole `max_retries` again in the new generation.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import pytest
 from argo_sim import Script
 from argo_world import NS, SETTINGS, World, argo_world, two_steps
 from lowtide.adapters.argo.executor import ArgoExecutor
-from lowtide.adapters.argo.workflow import ArgoCompileError, CompiledWorkflow
+from lowtide.adapters.argo.workflow import ATTEMPT_VALUE, ArgoCompileError, CompiledWorkflow
 from lowtide.domain.gpus import Node
 from lowtide.domain.states import AttemptState
 from lowtide.wiring import argo_workflows
@@ -72,6 +75,16 @@ def pods_made(w: World, workflow: str, step: str) -> list[str]:
     return [p for p in w.sim.created if p.startswith(f"{workflow}-{step}-")]
 
 
+def attempt_numbers(w: World, pod_names: list[str]) -> list[tuple[str, str]]:
+    """(label `lowtide.io/attempt`, env `LOWTIDE_ATTEMPT`) of each pod, as Argo resolved them."""
+    out = []
+    for name in pod_names:
+        pod = w.cluster.get("pods", NS, name)
+        (env,) = [e["value"] for e in pod["spec"]["containers"][0]["env"] if e["name"] == "LOWTIDE_ATTEMPT"]
+        out.append((pod["metadata"]["labels"]["lowtide.io/attempt"], env))
+    return out
+
+
 def stopped(w: World, workflow: str) -> bool:
     return w.sim.workflow(workflow)["spec"].get("shutdown") == "Stop"
 
@@ -109,6 +122,10 @@ def test_a_failed_job_retried_runs_only_its_failed_step_in_a_new_workflow(w: Wor
         ("train", AttemptState.SUCCEEDED),
     ]
     (pod_name,) = pods_made(w, gen, "train")  # one pod: the retried attempt's
+    # Its attempt number goes on from generation 0's (train's attempt 1 there): 2, as the store's.
+    assert [a.number for a in attempts if a.step_name == "train"] == [1, 2]
+    assert attempt_numbers(w, [pod_name]) == [("2", "2")]
+    assert attempt_numbers(w, pods_made(w, job, "train")) == [("1", "1")]
     assert w.workflow_creates() == [201, 201]
     # The attempt's token went into the new generation's own Secret, owned by that Workflow.
     secret = w.cluster.get("secrets", NS, f"{gen}-step-tokens")
@@ -271,3 +288,42 @@ def test_end_job_of_a_job_that_no_longer_compiles_stops_its_running_workflows(w:
         assert stopped(w, job)
     finally:
         executor.close()
+
+
+def test_attempt_numbers_go_on_across_generations_and_the_retry_budget_is_whole_again(w: World) -> None:
+    # Generation 0: attempt 1 OOMs, its retry (attempt 2) OOMs too: no retry left, FAILED.
+    job = w.h.submit({"name": "big", "max_retries": 1, "steps": [{"name": "t", "command": ["t"], "gpus": 1}]})
+    w.sim.script(job, "t", Script(run_s=3, oom=True))
+    w.run(lambda: w.job_state(job) == "FAILED")
+    w.h.tick()
+    assert stopped(w, job)
+    gen = retry(w, job)
+    # The new generation: attempt 3 OOMs and Argo retries it (a fresh budget of 1, as the store's
+    # retry gives); attempt 4 succeeds.
+    w.sim.script(gen, "t", Script(run_s=3, oom=True), Script(run_s=3))
+    first = argo_workflows(w.store, SETTINGS)(job)
+    assert first.name == gen
+    w.run(lambda: w.running(job, "t"))
+    # Every compile of the generation gives the same Workflow: the offset is what the step had
+    # before the retry, not what it has had since.
+    assert argo_workflows(w.store, SETTINGS)(job).manifest == first.manifest
+    w.run(lambda: w.job_state(job) == "SUCCEEDED")
+
+    attempts = w.h.store.job_detail(job).attempts
+    assert [(a.number, a.state) for a in attempts] == [
+        (1, AttemptState.FAILED),
+        (2, AttemptState.FAILED),
+        (3, AttemptState.FAILED),
+        (4, AttemptState.SUCCEEDED),
+    ]
+    assert attempt_numbers(w, pods_made(w, job, "t")) == [("1", "1"), ("2", "2")]
+    assert attempt_numbers(w, pods_made(w, gen, "t")) == [("3", "3"), ("4", "4")]
+    assert [c["phase"] for c in w.sim.retry_children(gen, "t")] == ["Failed", "Succeeded"]
+    # The compiled expressions: generation 0's is the plain one; the retry's adds the 2 before it,
+    # and its retry clause still allows max_retries (1) retries in this generation.
+    (t0,) = [t for t in w.sim.workflow(job)["spec"]["templates"] if t["name"] == "t"]
+    (t1,) = [t for t in w.sim.workflow(gen)["spec"]["templates"] if t["name"] == "t"]
+    assert t0["metadata"]["labels"]["lowtide.io/attempt"] == ATTEMPT_VALUE
+    assert t1["metadata"]["labels"]["lowtide.io/attempt"] == "{{=asInt(retries) + 1 + 2}}"
+    assert t1["retryStrategy"] == t0["retryStrategy"]
+    assert t1["retryStrategy"]["expression"].endswith("asInt(retries) < 1")

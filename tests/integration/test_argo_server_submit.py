@@ -53,7 +53,7 @@ class ServerWorld(World):
     def executor(self, **kw: Any) -> ArgoExecutor:
         timeout = kw.pop("request_timeout_s", 10.0)
         api = ArgoServerWorkflows(self.server.url, self.token, NS, timeout_s=timeout)
-        return ArgoExecutor(
+        made = ArgoExecutor(
             self.cluster.api_client(),
             SETTINGS,
             argo_workflows(self.store, SETTINGS),
@@ -61,6 +61,8 @@ class ServerWorld(World):
             workflows_api=api,
             **kw,
         )
+        self.made.append(made)  # closed with the world (its pod watch thread too)
+        return made
 
     def server_calls(self, verb: str) -> list[int]:
         return [c.status for c in self.server.calls if c.verb == verb]
@@ -75,6 +77,7 @@ def w() -> Iterator[ServerWorld]:
     with cluster, FakeArgoServer(cluster, SWAGGER) as server:
         store = MemoryStore()
         world = ServerWorld(None, ArgoSim(cluster, clock.now, NS), cluster, store, server)  # type: ignore[arg-type]
+        world.sim.settle = world.settle  # each step waits for the executor's pod cache (argo_world)
         world.h = LoopHarness(
             nodes=NODES,
             layout=LAYOUT,
@@ -86,6 +89,8 @@ def w() -> Iterator[ServerWorld]:
         world.h.recover()
         yield world
         world.h.executor.close()
+        for made in world.made:
+            made.close()
 
 
 def test_a_two_step_job_runs_with_its_workflow_submitted_through_argo_server(w: ServerWorld) -> None:

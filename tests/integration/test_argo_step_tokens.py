@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from argo_sim import ArgoSim, Script
+from argo_world import settling
 from k8sfake import FakeCluster
 from lowtide.adapters.argo.executor import ArgoExecutor
 from lowtide.adapters.argo.workflow import ArgoSettings
@@ -79,8 +80,11 @@ def _world(token: str | None = None) -> Iterator[World]:
             retry=RetryPolicy(5.0, 5.0),
         )
         h.recover()
-        yield World(cluster, sim, store, h)
-        h.executor.close()
+        settling(sim, lambda: h.executor)  # each step waits for the executor's pod cache
+        try:
+            yield World(cluster, sim, store, h)
+        finally:
+            h.executor.close()  # its pod watch thread too, also when the generator is closed
 
 
 @pytest.fixture

@@ -214,6 +214,9 @@ def test_rbac_403_on_watch_is_named_and_never_current(cluster: FakeCluster) -> N
         assert snap.synced and not snap.current and sorted(snap.items) == [f"{NS}/a"]
         assert "watching pods app=vllm in serving" in snap.problem
         assert "RBAC" in snap.problem and 'cannot watch resource "pods"' in snap.problem
+        # The failure itself, for a reader that classifies API errors (the Argo executor).
+        assert isinstance(snap.error, ApiException) and snap.error.status == 403
+        assert snap.error_verb == "watch"
         assert not inf.wait_current(0.1)
     finally:
         inf.close()

@@ -8,7 +8,9 @@ Reproduced
 - Resources: core/v1 pods (+ status, log), nodes (cluster-scoped, + status), events, secrets;
   apps/v1 deployments (+ status, autoscaling/v1 `scale`); autoscaling/v2
   horizontalpodautoscalers; discovery.k8s.io/v1 endpointslices; coordination.k8s.io/v1
-  leases; custom resources argoproj.io/v1alpha1 workflows and keda.sh/v1alpha1 scaledobjects
+  leases; events.k8s.io/v1 events (eventTime, reportingController/Instance, action, reason,
+  type Normal|Warning, note <= 1 KiB, series count >= 2, all but series immutable:
+  validation.py); custom resources argoproj.io/v1alpha1 workflows and keda.sh/v1alpha1 scaledobjects
   (through CustomObjectsApi); discovery /version, /api, /apis, /api/v1, /apis/<g>/<v>.
 - One global, string, monotonically increasing resourceVersion; uid, creationTimestamp,
   generation (spec changes; any non-metadata change for CRDs without a status subresource),
@@ -75,8 +77,10 @@ Deliberately NOT reproduced (do not trust the fake for these)
   priority and fairness) is whatever a test injects.
 - A missing or unknown token is 401; real clusters with anonymous auth answer a request with
   no token as user system:anonymous (usually 403). List/watch with a metadata.name field
-  selector is not matched against resourceNames rules. events.k8s.io/v1 is not served (core/v1
-  events are). sendInitialEvents / streaming lists are not supported. argo-server's REST API
+  selector is not matched against resourceNames rules. core/v1 and events.k8s.io/v1 events
+  are stored apart (the real server serves one storage through both APIs), and events have no
+  TTL (the real server keeps them an hour by default). sendInitialEvents / streaming lists are
+  not supported. argo-server's REST API
   (Hera's WorkflowsService) is not served: this fake is the Kubernetes API only.
 """
 

@@ -86,6 +86,9 @@ KINDS: tuple[Kind, ...] = (
     Kind("", "v1", "pods", "Pod", status_subresource=True, log_subresource=True),
     Kind("", "v1", "nodes", "Node", namespaced=False, status_subresource=True, generation_fields=()),
     Kind("", "v1", "events", "Event", generation_fields=()),
+    # events.k8s.io/v1 (what lowtide's recorder writes): stored apart from core/v1 events here,
+    # although the real server serves both from one storage (see the package docstring).
+    Kind("events.k8s.io", "v1", "events", "Event", generation_fields=()),
     Kind("", "v1", "secrets", "Secret", generation_fields=()),
     Kind("apps", "v1", "deployments", "Deployment", status_subresource=True, scale_subresource=True),
     Kind(
@@ -184,7 +187,7 @@ _TIME_FIELDS = frozenset(
         "lastTimestamp",
     }
 )
-_MICRO_TIME_FIELDS = frozenset({"acquireTime", "renewTime", "eventTime"})
+_MICRO_TIME_FIELDS = frozenset({"acquireTime", "renewTime", "eventTime", "lastObservedTime"})
 
 
 def _normalize_times(value: Any, where: str = "") -> Any:
@@ -413,6 +416,8 @@ class Store:
             return validation.validate_deployment(obj)
         if kind.key == "leases.coordination.k8s.io":
             return validation.validate_lease(obj)
+        if kind.key == "events.events.k8s.io":
+            return validation.validate_event_v1_create(obj)
         return []
 
     # ---------------------------------------------------------------- list
@@ -570,6 +575,8 @@ class Store:
             return validation.validate_deployment(new)
         if kind.key == "leases.coordination.k8s.io":
             return validation.validate_lease(new)
+        if kind.key == "events.events.k8s.io":
+            return validation.validate_event_v1_update(new, old)
         return []
 
     def update_checked(

@@ -97,14 +97,16 @@ def test_chart_rbac_grants_what_lowtide_needs(cluster: FakeCluster, sa: tuple[cl
     custom.patch_namespaced_custom_object(
         "argoproj.io", "v1alpha1", ns, "workflows", "job-1", {"spec": {"shutdown": "Stop"}}
     )
-    core.create_namespaced_event(
-        ns,
-        {
-            "metadata": {"name": "e"},
-            "reason": "Preempted",
-            "involvedObject": {"kind": "Pod", "name": "step", "namespace": ns},
-        },
-    )
+    # Kubernetes Events (adapters.k8s_events): events.k8s.io/v1, created and a series patched.
+    events = client.EventsV1Api(api)
+    for where in (ns, "serving"):  # the Argo namespace and a service's
+        events.create_namespaced_event(where, event(where))
+        events.patch_namespaced_event(
+            "step.1",
+            where,
+            {"series": {"count": 2, "lastObservedTime": "2026-01-01T00:00:01.000000Z"}},
+            _content_type="application/strategic-merge-patch+json",
+        )
     core.patch_node("gpu-1", {"metadata": {"labels": {"lowtide.io/lent": "true"}}})
     # The fit check: every pod bound to a node, in any namespace.
     cluster.create("pods", "serving", pod("vllm-0"))
@@ -158,6 +160,19 @@ def test_chart_rbac_grants_what_lowtide_needs(cluster: FakeCluster, sa: tuple[cl
     core.delete_namespaced_pod("vllm-0", "serving")
 
 
+def event(namespace: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "step.1"},
+        "eventTime": "2026-01-01T00:00:00.000000Z",
+        "reportingController": "lowtide.io/control-plane",
+        "reportingInstance": "lowtide-0",
+        "action": "Admitted",
+        "reason": "Admitted",
+        "type": "Normal",
+        "regarding": {"kind": "Pod", "name": "step", "namespace": namespace},
+    }
+
+
 def test_chart_rbac_refuses_everything_else(cluster: FakeCluster, sa: tuple[client.ApiClient, str]) -> None:
     api, ns = sa
     core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
@@ -177,6 +192,10 @@ def test_chart_rbac_refuses_everything_else(cluster: FakeCluster, sa: tuple[clie
     forbidden(lambda: core.list_namespaced_secret(ns))
     forbidden(lambda: core.create_namespaced_secret("serving", {"metadata": {"name": "x"}}))
     forbidden(lambda: core.delete_node("gpu-1"))
+    # Events: only events.k8s.io, only where lowtide works, never read back.
+    forbidden(lambda: core.create_namespaced_event(ns, {"metadata": {"name": "e"}, "involvedObject": {}}))
+    forbidden(lambda: client.EventsV1Api(api).create_namespaced_event("kube-system", event("kube-system")))
+    forbidden(lambda: client.EventsV1Api(api).list_namespaced_event(ns))
     # Pods outside the Argo namespace: listed (the fit check), never read one by one or changed.
     cluster.create("pods", "kube-system", pod("dns"))
     forbidden(lambda: core.read_namespaced_pod("dns", "kube-system"))

@@ -731,3 +731,63 @@ def test_list_option_validation(core: client.CoreV1Api) -> None:
         "resourceVersionMatch is forbidden unless resourceVersion is provided"
         in status_of(exc.value)["message"]
     )
+
+
+# -- events.k8s.io/v1 (pkg/apis/core/validation/events.go) --------------------------------------------
+
+
+def v1_event(**changes: Any) -> dict[str, Any]:
+    event: dict[str, Any] = {
+        "metadata": {"name": "step.1"},
+        "eventTime": "2026-01-01T00:00:00.5+00:00",
+        "reportingController": "lowtide.io/control-plane",
+        "reportingInstance": "lowtide-0",
+        "action": "Admit",
+        "reason": "Admitted",
+        "type": "Normal",
+        "regarding": {"kind": "Pod", "name": "step", "namespace": "ns"},
+        "note": "onto n1",
+    }
+    event.update(changes)
+    return {k: v for k, v in event.items() if v is not None}
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"eventTime": None}, "eventTime"),
+        ({"type": "Info"}, "type"),
+        ({"reportingController": "not a qualified name!"}, "reportingController"),
+        ({"reportingInstance": None}, "reportingInstance"),
+        ({"action": None}, "action"),
+        ({"reason": "r" * 129}, "reason"),
+        ({"note": "é" * 513}, "message"),  # 1026 bytes: Go's len() counts bytes
+        ({"series": {"count": 1, "lastObservedTime": "2026-01-01T00:00:01Z"}}, "series.count"),
+        ({"regarding": {"kind": "Pod", "name": "step"}}, "involvedObject.namespace"),
+    ],
+)
+def test_an_events_v1_event_is_validated_as_the_api_server_does(
+    cluster: FakeCluster, changes: dict[str, Any], field: str
+) -> None:
+    events = client.EventsV1Api(cluster.api_client())
+    with pytest.raises(ApiException) as exc:
+        events.create_namespaced_event("ns", v1_event(**changes))
+    assert exc.value.status == 422
+    assert field in [c["field"] for c in status_of(exc.value)["details"]["causes"]]
+
+
+def test_an_events_v1_event_changes_only_its_series(cluster: FakeCluster) -> None:
+    events = client.EventsV1Api(cluster.api_client())
+    made = events.create_namespaced_event("ns", v1_event(), _preload_content=False)
+    assert json.loads(made.data)["eventTime"] == "2026-01-01T00:00:00.500000Z"  # MicroTime
+    smp = "application/strategic-merge-patch+json"
+    series = {"series": {"count": 2, "lastObservedTime": "2026-01-01T00:00:09+00:00"}}
+    patched = events.patch_namespaced_event("step.1", "ns", series, _content_type=smp, _preload_content=False)
+    assert json.loads(patched.data)["series"] == {
+        "count": 2,
+        "lastObservedTime": "2026-01-01T00:00:09.000000Z",
+    }
+    with pytest.raises(ApiException) as exc:
+        events.patch_namespaced_event("step.1", "ns", {"note": "changed"}, _content_type=smp)
+    assert exc.value.status == 422 and "message: Invalid value" in status_of(exc.value)["message"]
+    assert "field is immutable" in status_of(exc.value)["message"]

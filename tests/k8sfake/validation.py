@@ -379,3 +379,97 @@ def validate_object_meta(obj: Obj, check_name: bool) -> list[FieldError]:
             FieldError("metadata.annotations", "Invalid", e, key) for e in _qualified_name_errors(key)
         )
     return errors
+
+
+# ---------------------------------------------------------------- events.k8s.io/v1 Event
+# pkg/apis/core/validation/events.go (kubernetes commit 04791b49): `ValidateEventCreate` /
+# `ValidateEventUpdate` with the strict rules of events.k8s.io/v1 and `legacyValidateEvent`. Field
+# paths are the internal type's, as the real server reports them ("message" for note,
+# "involvedObject" for regarding). Lengths are Go's len(): UTF-8 bytes.
+EVENT_TYPES = ("Normal", "Warning")
+REPORTING_INSTANCE_LIMIT = 128
+ACTION_LIMIT = 128
+REASON_LIMIT = 128
+NOTE_LIMIT = 1024
+
+
+def _series_errors(event: Obj) -> list[FieldError]:
+    series = event.get("series")
+    if series is None:
+        return []
+    errors: list[FieldError] = []
+    if int(series.get("count") or 0) < 2:
+        errors.append(FieldError("series.count", "Invalid", "should be at least 2", ""))
+    if not series.get("lastObservedTime"):
+        errors.append(FieldError("series.lastObservedTime", "Required", ""))
+    return errors
+
+
+def _legacy_event_errors(event: Obj) -> list[FieldError]:
+    """`legacyValidateEvent` for an event with eventTime set (every events.k8s.io/v1 event)."""
+    errors: list[FieldError] = []
+    namespace = (event.get("metadata") or {}).get("namespace") or ""
+    regarding_ns = (event.get("regarding") or {}).get("namespace") or ""
+    if not regarding_ns and namespace not in ("default", "kube-system"):
+        errors.append(FieldError("involvedObject.namespace", "Invalid", "does not match event.namespace", ""))
+    controller = str(event.get("reportingController") or "")
+    if not controller:
+        errors.append(FieldError("reportingController", "Required", ""))
+    errors.extend(
+        FieldError("reportingController", "Invalid", e, controller)
+        for e in _qualified_name_errors(controller)
+    )
+    for field_name, limit in (
+        ("reportingInstance", REPORTING_INSTANCE_LIMIT),
+        ("action", ACTION_LIMIT),
+        ("reason", REASON_LIMIT),
+    ):
+        value = str(event.get(field_name) or "")
+        if not value:
+            errors.append(FieldError(field_name, "Required", ""))
+        if len(value.encode()) > limit:
+            errors.append(FieldError(field_name, "Invalid", f"can have at most {limit} characters", ""))
+    if len(str(event.get("note") or "").encode()) > NOTE_LIMIT:
+        errors.append(FieldError("message", "Invalid", f"can have at most {NOTE_LIMIT} characters", ""))
+    return errors
+
+
+def validate_event_v1_create(event: Obj) -> list[FieldError]:
+    errors = _legacy_event_errors(event) + _series_errors(event)
+    if not event.get("eventTime"):
+        errors.append(FieldError("eventTime", "Required", ""))
+    if event.get("type") not in EVENT_TYPES:
+        errors.append(FieldError("type", "Invalid", f"has invalid value: {event.get('type') or ''}", ""))
+    for field_name in ("deprecatedFirstTimestamp", "deprecatedLastTimestamp"):
+        if event.get(field_name):
+            name = "firstTimestamp" if "First" in field_name else "lastTimestamp"
+            errors.append(FieldError(name, "Invalid", "needs to be unset", ""))
+    if event.get("deprecatedCount"):
+        errors.append(FieldError("count", "Invalid", "needs to be unset", ""))
+    if event.get("deprecatedSource"):
+        errors.append(FieldError("source", "Invalid", "needs to be unset", ""))
+    return errors
+
+
+_EVENT_IMMUTABLE = (
+    ("regarding", "involvedObject"),
+    ("reason", "reason"),
+    ("note", "message"),
+    ("type", "type"),
+    ("eventTime", "eventTime"),
+    ("action", "action"),
+    ("related", "related"),
+    ("reportingController", "reportingController"),
+    ("reportingInstance", "reportingInstance"),
+)
+
+
+def validate_event_v1_update(new: Obj, old: Obj) -> list[FieldError]:
+    """Series is the only mutable part (with metadata): everything else is immutable."""
+    errors = _legacy_event_errors(new)
+    if new.get("series") != old.get("series"):
+        errors.extend(_series_errors(new))
+    for field_name, path in _EVENT_IMMUTABLE:
+        if new.get(field_name) != old.get(field_name):
+            errors.append(FieldError(path, "Invalid", "field is immutable", new.get(field_name)))
+    return errors

@@ -27,7 +27,13 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lowtide.adapters.argo.expr import ExprError, check_retry_expression, evaluate_retry_expression
+from lowtide.adapters.argo.expr import (
+    ExprError,
+    check_retry_expression,
+    check_template_expression,
+    evaluate_retry_expression,
+    evaluate_template_expression,
+)
 from lowtide.adapters.argo.workflow import (
     ADMISSION_GATE,
     ANNOTATION_GENERATION,
@@ -40,6 +46,7 @@ from lowtide.adapters.argo.workflow import (
     ArgoSettings,
     CompiledWorkflow,
     NothingLeftToRun,
+    attempt_value,
     compile_workflow,
     dns_label,
     job_generation,
@@ -435,6 +442,67 @@ def test_a_retried_generation_holds_only_the_unfinished_steps_and_still_validate
     prep_out = f"s3://research/lowtide/jobs/{JOB_ID}/prep/outputs"
     assert json.loads(_env(templates["train"])["LOWTIDE_INPUTS"]["value"]) == {"prep": prep_out}
     assert "inputs" not in templates["train"] and prep_out in templates["train"]["container"]["args"]
+
+
+def test_a_retried_generation_numbers_attempts_on_from_those_before_it(
+    sft: CompiledWorkflow, crd_schema: dict[str, Any]
+) -> None:
+    """train had 3 attempts, eval none: train's pods are numbered 4, 5, ... (Argo's `retries` is
+    0, 1, ... again in the new Workflow), eval's 1, 2, ...; the retry budget is unchanged."""
+    retried = compile_workflow(
+        _spec_from(REPO / "examples" / "jobs" / "sft-dag.yaml"),
+        job_id=JOB_ID,
+        settings=SETTINGS,
+        generation=GENERATION,
+        succeeded={"prep"},
+        attempts_before={"prep": 1, "train": 3},
+    )
+    check_against_crd(retried.manifest, crd_schema)
+    templates = _templates(retried)
+    train, eval_ = templates["train"], templates["eval"]
+    assert train["metadata"]["labels"][LABEL_ATTEMPT] == "{{=asInt(retries) + 1 + 3}}"
+    assert _env(train)["LOWTIDE_ATTEMPT"]["value"] == "{{=asInt(retries) + 1 + 3}}"
+    assert eval_["metadata"]["labels"][LABEL_ATTEMPT] == ATTEMPT_VALUE
+    assert _env(eval_)["LOWTIDE_ATTEMPT"]["value"] == ATTEMPT_VALUE
+    assert train["retryStrategy"] == _templates(sft)["train"]["retryStrategy"]
+    # What Argo puts in its place for the first and the third child of the new Workflow.
+    label = train["metadata"]["labels"][LABEL_ATTEMPT]
+    assert [evaluate_template_expression(label, {"retries": r}) for r in ("0", "2")] == ["4", "6"]
+    assert evaluate_template_expression(ATTEMPT_VALUE, {"retries": "0"}) == "1"
+
+
+@pytest.mark.parametrize(
+    ("generation", "before", "why"),
+    [
+        (0, {"train": 1}, "generation 0 is the job's first Workflow"),
+        (GENERATION, {"nope": 1}, "attempts_before names ['nope']"),
+        (GENERATION, {"train": -1}, "a step cannot have had -1 attempts"),
+    ],
+)
+def test_attempt_offsets_that_cannot_be_are_refused(
+    generation: int, before: dict[str, int], why: str
+) -> None:
+    spec = _spec_from(REPO / "examples" / "jobs" / "sft-dag.yaml")
+    with pytest.raises(ArgoCompileError, match=re.escape(why)):
+        compile_workflow(
+            spec, job_id=JOB_ID, settings=SETTINGS, generation=generation, attempts_before=before
+        )
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("{{=retries + 1}}", "cannot add a string and a int"),  # retries is a string for Argo too
+        ("{{=asInt(retries) + 1 < 2}}", "it must be a int, this one is a bool"),
+        ("{{=asInt(attempt) + 1}}", "unknown name 'attempt'"),
+        ("asInt(retries) + 1", "is not one expression template"),
+        ("{{=}}", "is not one expression template"),
+    ],
+)
+def test_the_attempt_template_checker_refuses_what_argo_would_fail_on(text: str, why: str) -> None:
+    with pytest.raises(ExprError, match=re.escape(why)):
+        check_template_expression(text)
+    assert attempt_value(0) == ATTEMPT_VALUE
 
 
 def test_a_step_keeps_its_names_in_a_retried_generation() -> None:

@@ -544,7 +544,7 @@ def expected_rules(namespace: str, argo_ns: str, secret: str) -> set[GrantedRule
         rule(argo_ns, "argoproj.io", "workflows", "create get list watch patch delete"),
         rule(argo_ns, "", "pods", "get list watch patch delete"),
         rule(argo_ns, "", "pods/log", "get"),
-        rule(argo_ns, "", "events", "create"),
+        rule(argo_ns, "events.k8s.io", "events", "create patch"),  # Kubernetes Events about its pods
         rule(argo_ns, "", "secrets", "create patch"),  # the step tokens' Secrets: no get, no list
         rule(namespace, "coordination.k8s.io", "leases", "get create update"),
         rule(namespace, "", "secrets", "get", (secret,)),
@@ -606,6 +606,7 @@ def test_each_service_gets_exactly_what_its_settings_need_in_its_own_namespace(c
             rule(ns, "", "pods", "list watch patch delete"),
             rule(ns, "autoscaling", "horizontalpodautoscalers", "list"),
             rule(ns, "keda.sh", "scaledobjects", "list"),
+            rule(ns, "events.k8s.io", "events", "create patch"),  # Events about what it scales
         }
 
     def service_grants(role: str) -> set[GrantedRule]:

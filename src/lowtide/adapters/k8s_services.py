@@ -72,6 +72,14 @@ request. The generated client (kubernetes
 36.0.3, `ApiClient.select_header_content_type`) sends a dict PATCH body as JSON patch (the first
 type of the operation's list), so every patch names ``application/merge-patch+json`` explicitly.
 
+**Kubernetes Events** (with `events`, an `adapters.k8s_events.EventRecorder`; docs/cluster.md
+"Kubernetes Events"): ``Scaled`` on the Deployment after a scale write, ``AutoscalerConflict``
+(Warning) on it while an autoscaler makes lowtide refuse, ``DeploymentMissing`` (Warning) regarding
+the missing Deployment by name (no uid: there is no object; not the control plane's pod, whose
+namespace the service's Role does not cover), ``Steered`` on each HPA/ScaledObject whose bounds
+were changed, ``ReplicaFailed`` (Warning) on the pod whose status failed a slot. Repeats
+aggregate into one Event's series (the recorder); emitting never blocks.
+
 Not done here: lowtide's node/GPU choice in a `ReplicaLaunch` is bookkeeping only (the scheduler
 places the Deployment's pods); the command, env and port of a launch are not applied (the
 Deployment's template defines them).
@@ -96,6 +104,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError as Urllib3Error
 
+from lowtide.adapters.k8s_events import EventSink, EventType, Regarding
 from lowtide.adapters.k8s_watch import Informer, Snapshot
 from lowtide.control.inference_ports import ReplicaEvent, ReplicaEventKind, ReplicaLaunch
 from lowtide.domain.services import ParkMode
@@ -193,6 +202,7 @@ class _Deployment:
     pod_informer: Informer | None = None  # the pods of the scale's selector
     slice_informer: Informer | None = None  # the EndpointSlices of endpoint_service
     own_write: str = ""  # resourceVersion of our last pod write the pod cache must show
+    uid: str = ""  # the Deployment's, from its scale (for its Kubernetes Events)
 
 
 def describe_api_error(exc: BaseException) -> str:
@@ -237,7 +247,9 @@ class KubernetesServiceManager:
         refresh_s: float = 1.0,
         watch_timeout_s: float = 300.0,
         watch_backoff_s: tuple[float, float] = (0.8, 30.0),
+        events: EventSink | None = None,
     ) -> None:
+        """`events`: where Kubernetes Events go (`adapters.k8s_events`; None: none)."""
         if request_timeout_s <= 0 or refresh_s < 0:
             raise ValueError("request_timeout_s must be > 0 and refresh_s >= 0")
         self.watch_timeout_s = watch_timeout_s
@@ -256,6 +268,7 @@ class KubernetesServiceManager:
                 raise ValueError(f"service {t.service!r} given twice")
             self._deps[t.service] = _Deployment(t)
         self._events: list[ReplicaEvent] = []
+        self._k8s_events = events
         self._closed = False
 
     # -- the port -------------------------------------------------------------------------------
@@ -473,6 +486,7 @@ class KubernetesServiceManager:
         self._clear_error(dep)
         dep.replicas = int(scale.spec.replicas or 0) if scale.spec is not None else 0
         dep.version = scale.metadata.resource_version if scale.metadata is not None else None
+        dep.uid = (scale.metadata.uid if scale.metadata is not None else None) or dep.uid
         dep.pods = {p.name: p for p in (_pod(item, ready_ips) for item in pods.items.values())}
         dep.own_write = ""
         dep.read_at = now
@@ -604,7 +618,7 @@ class KubernetesServiceManager:
                 self._claim(dep, rid, slot, free_ready.pop(0), now)
             elif failing:
                 bad = failing.pop(0)
-                self._fail(dep, rid, slot, now, f"pod {bad.name}: {bad.failure}")
+                self._fail(dep, rid, slot, now, f"pod {bad.name}: {bad.failure}", culprit=bad)
 
     def _claim(self, dep: _Deployment, rid: str, slot: _Slot, pod: _Pod, now: float) -> None:
         if (pod.claimed_by != rid or pod.cost is not None) and not self._patch_pod(
@@ -621,8 +635,14 @@ class KubernetesServiceManager:
         log.info("replica %s: healthy: %s", rid, detail)
         self._emit(rid, "healthy", now, detail)
 
-    def _fail(self, dep: _Deployment, rid: str, slot: _Slot, now: float, why: str) -> None:
+    def _fail(
+        self, dep: _Deployment, rid: str, slot: _Slot, now: float, why: str, culprit: _Pod | None = None
+    ) -> None:
         pod = dep.pods.get(slot.pod) if slot.pod is not None else None
+        bad = culprit or pod
+        if bad is not None:
+            ref = Regarding.pod(dep.target.namespace, bad.name, bad.uid)
+            self._k8s_event(ref, "Warning", "ReplicaFailed", f"lowtide replica {rid} failed: {why}")
         if pod is not None and not pod.terminating and pod.claimed_by == rid:
             self._patch_pod(dep, pod.name, {REPLICA_ANNOTATION: None})
         slot.phase = SlotPhase.FAILED
@@ -713,6 +733,8 @@ class KubernetesServiceManager:
             dep.version = written.metadata.resource_version if written.metadata is not None else None
             dep.dirty = False
             log.info("service %s: Deployment %s scaled %s → %s", t.service, _where(dep), current, wanted)
+            why = f"spec.replicas {current} → {wanted}: the replicas service {t.service} wants now"
+            self._k8s_event(Regarding.deployment(t.namespace, t.deployment, dep.uid), "Normal", "Scaled", why)
             dep.read_at = None  # read again at the next poll
             return
         self._note_error(
@@ -784,17 +806,22 @@ class KubernetesServiceManager:
         names = [f"HorizontalPodAutoscaler {h.metadata.name}" for h in hpas] + [
             f"KEDA ScaledObject {o['metadata']['name']}" for o in scaled
         ]
+        refusal = ""
         if t.on_autoscaler == "refuse":
-            return (
+            refusal = (
                 f"Deployment {_where(dep)} is scaled by {', '.join(names)}: lowtide refuses to fight it over "
                 "replicas (services[].kubernetes.on_autoscaler: refuse); remove the autoscaler or set "
                 "on_autoscaler: steer"
             )
-        if wanted < 1:
-            return (
+        elif wanted < 1:
+            refusal = (
                 f"Deployment {_where(dep)} is scaled by {', '.join(names)}: steering it to 0 replicas is "
                 "not possible (an HPA's minReplicas is at least 1); not scaling"
             )
+        if refusal:
+            deployment = Regarding.deployment(t.namespace, t.deployment, dep.uid)
+            self._k8s_event(deployment, "Warning", "AutoscalerConflict", refusal)
+            return refusal
         try:
             for h in hpas:
                 if h.spec.min_replicas != wanted or h.spec.max_replicas != wanted:
@@ -803,6 +830,11 @@ class KubernetesServiceManager:
                     self._hpa.replace_namespaced_horizontal_pod_autoscaler(
                         h.metadata.name, t.namespace, h, _request_timeout=timeout
                     )
+                    meta = h.metadata
+                    ref = Regarding(
+                        "HorizontalPodAutoscaler", meta.name, t.namespace, "autoscaling/v2", meta.uid
+                    )
+                    self._steered(ref, t, wanted)
             for o in scaled:
                 spec = o.get("spec") or {}
                 if spec.get("minReplicaCount") != wanted or spec.get("maxReplicaCount") != wanted:
@@ -819,11 +851,28 @@ class KubernetesServiceManager:
                         _content_type=MERGE_PATCH,
                         _request_timeout=timeout,
                     )
+                    so_meta = o["metadata"]
+                    ref = Regarding(
+                        "ScaledObject",
+                        so_meta["name"],
+                        t.namespace,
+                        "keda.sh/v1alpha1",
+                        so_meta.get("uid", ""),
+                    )
+                    self._steered(ref, t, wanted)
         except Exception as exc:
             why = describe_api_error(exc)
             return f"steering {', '.join(names)} to {wanted}: {why}; retried at the next poll"
         log.info("service %s: steered %s to %s replicas", t.service, ", ".join(names), wanted)
         return ""
+
+    def _steered(self, autoscaler: Regarding, t: DeploymentTarget, wanted: int) -> None:
+        note = f"bounds set to {wanted}..{wanted} for service {t.service} (on_autoscaler: steer)"
+        self._k8s_event(autoscaler, "Normal", "Steered", note)
+
+    def _k8s_event(self, regarding: Regarding, type_: EventType, reason: str, note: str) -> None:
+        if self._k8s_events is not None:
+            self._k8s_events.emit(regarding, type_, reason, reason, note)
 
     def _patch_pod(self, dep: _Deployment, name: str, annotations: Mapping[str, str | None]) -> bool:
         """Merge-patch the pod's annotations (None removes one); False when that failed."""
@@ -849,6 +898,8 @@ class KubernetesServiceManager:
     def _note_missing(self, dep: _Deployment, why: str, now: float) -> None:
         if dep.missing != why:
             log.error("service %s: %s", dep.target.service, why)
+        t = dep.target  # regarding the Deployment that is gone (no uid: a new one is another object)
+        self._k8s_event(Regarding.deployment(t.namespace, t.deployment), "Warning", "DeploymentMissing", why)
         dep.missing = why
         dep.replicas = None
         dep.pods = {}

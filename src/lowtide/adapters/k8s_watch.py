@@ -33,7 +33,8 @@ Deployment's pods is small); there is no resync and no handler fan-out (readers 
 Added here: **current**. The cache is *current* from the moment a watch request is answered (HTTP
 200) until the next failure; it is not current before the first LIST and WATCH have succeeded,
 and from any failure until a watch is open again. A not-current cache keeps its contents (the
-reader decides what stale data is worth; `Snapshot.problem` says why it is not current). A
+reader decides what stale data is worth; `Snapshot.problem` says why it is not current, and
+`Snapshot.error` is the exception of that failure, for a reader that classifies API errors). A
 reader can also wait, bounded, until the cache has seen at least a given resourceVersion
 (`wait_for`): read-your-writes after its own write, or a test waiting for a simulated
 controller's. Comparing versions as integers follows KEP-5504 "Comparable Resource Version"
@@ -87,6 +88,10 @@ class Snapshot:
     synced: bool  # a LIST has filled the cache at least once
     current: bool  # synced and a watch is open, nothing has failed since
     problem: str  # why it is not current ("" when it is)
+    #: The error of the last failure while not current (None when current, or none was raised),
+    #: and what was being done: "list" or "watch" (for a reader that classifies API errors).
+    error: BaseException | None = None
+    error_verb: str = ""
 
 
 def compare_resource_versions(a: str, b: str) -> int | None:
@@ -170,6 +175,8 @@ class Informer:
         self._synced = False
         self._current = False
         self._problem = "not started"
+        self._error: BaseException | None = None
+        self._error_verb = ""
         self._stop = threading.Event()
         self._resp: Any = None  # the open watch response, so that `close` can cut it
         self._thread: threading.Thread | None = None
@@ -190,7 +197,15 @@ class Informer:
 
     def snapshot(self) -> Snapshot:
         with self._cond:
-            return Snapshot(dict(self._items), self._rv, self._synced, self._current, self._problem)
+            return Snapshot(
+                dict(self._items),
+                self._rv,
+                self._synced,
+                self._current,
+                self._problem,
+                None if self._current else self._error,
+                "" if self._current else self._error_verb,
+            )
 
     @property
     def current(self) -> bool:
@@ -253,7 +268,7 @@ class Informer:
             except _Stopped:
                 break
             except _Expired as exc:
-                self._failed(f"watching {self.what}: {exc}; listing again")
+                self._failed(f"watching {self.what}: {exc}; listing again", exc, "watch")
                 need_list = True
             except Exception as exc:
                 if self._stop.is_set():
@@ -261,12 +276,13 @@ class Informer:
                 if not isinstance(exc, ApiException | Urllib3Error | OSError | _VeryShortWatch):
                     log.exception("informer %s: unexpected error; listing again after a backoff", self.what)
                 if isinstance(exc, ApiException) and exc.status == 410 and not need_list:
-                    self._failed(f"watching {self.what}: {self._describe(exc)}; listing again")
+                    self._failed(f"watching {self.what}: {self._describe(exc)}; listing again", exc, "watch")
                     need_list = True
                     continue
                 retriable = _retriable(exc) and self._synced and not need_list
                 doing = "listing" if need_list else "watching"
-                self._failed(f"{doing} {self.what}: {self._describe(exc)}")
+                verb = "list" if need_list else "watch"
+                self._failed(f"{doing} {self.what}: {self._describe(exc)}", exc, verb)
                 need_list = need_list or not retriable
                 if not self._backoff():
                     break
@@ -416,11 +432,12 @@ class Informer:
                 self._rv = rv
             self._cond.notify_all()
 
-    def _failed(self, why: str) -> None:
+    def _failed(self, why: str, exc: BaseException | None = None, verb: str = "") -> None:
         with self._cond:
             changed = why != self._problem
             self._current = False
             self._problem = why
+            self._error, self._error_verb = exc, verb
             self._failures += 1
             self._cond.notify_all()
         if changed:

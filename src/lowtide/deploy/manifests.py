@@ -306,7 +306,9 @@ WORKLOAD_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("argoproj.io", "workflows", ("create", "get", "list", "watch", "patch", "delete")),
     ("", "pods", ("get", "list", "watch", "patch", "delete")),
     ("", "pods/log", ("get",)),
-    ("", "events", ("create",)),
+    # Kubernetes Events about its pods (`adapters.k8s_events`, events.k8s.io/v1): created, and a
+    # repeated one's series patched.
+    ("events.k8s.io", "events", ("create", "patch")),
     # The step tokens' Secrets, one per job (`adapters.argo.step_tokens`): created, or one key
     # patched. Not restricted by name: their names are per job, and RBAC cannot limit `create`
     # by resourceNames (the name is not known when the request is authorized). No get/list.
@@ -324,13 +326,15 @@ def service_rules(service: Mapping[str, Any]) -> list[dict[str, Any]]:
     namespace, for its settings: the Deployment's scale (by name), its pods (list and watch:
     `adapters.k8s_watch`; annotate, delete a hung one), the autoscalers on it (list);
     EndpointSlices (list, watch) only with `endpoint_service`; HPA update and ScaledObject
-    patch only with `on_autoscaler: steer`."""
+    patch only with `on_autoscaler: steer`; Kubernetes Events there (`adapters.k8s_events`:
+    create, and patch a repeated one's series)."""
     k8s = service["kubernetes"]
     rules = [
         {**_rule("apps", "deployments/scale", ("get", "update")), "resourceNames": [k8s["deployment"]]},
         _rule("", "pods", ("list", "watch", "patch", "delete")),
         _rule("autoscaling", "horizontalpodautoscalers", ("list",)),
         _rule("keda.sh", "scaledobjects", ("list",)),
+        _rule("events.k8s.io", "events", ("create", "patch")),
     ]
     if "endpoint_service" in k8s:
         rules.append(_rule("discovery.k8s.io", "endpointslices", ("list", "watch")))

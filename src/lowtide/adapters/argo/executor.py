@@ -47,8 +47,8 @@ Mechanism:
 - **Handles**: `<namespace>/<pod name>/<pod uid>`; `<namespace>/@<job id>/<step label>` while no
   pod is claimed yet (the store keeps the handle of the launch; a restart resolves it again
   by labels). The uid makes a re-created pod of the same name a different attempt.
-- **Running and exits**: each `poll` lists this installation's pods (label `lowtide.io/job`,
-  one LIST per poll; the list's resourceVersion is kept for a later watch). A pod phase
+- **Running and exits**: each `poll` reads this installation's pods (label `lowtide.io/job`)
+  from a watch cache (below, "Pods from a watch"). A pod phase
   Running is the start (`PollReport.started`). A finished pod's exit is read from its Argo node
   (`workflows.argoproj.io/node-id`) once Argo has recorded it, because only the node has the
   shim's result marker: `classify_node` gives the outcome, `exits.attempt_exit` the exit.
@@ -84,9 +84,28 @@ raises `ExecutorError(temporary=True, infrastructure="kubernetes")`, a poll keep
 and tries again next time; 403 is permanent and names the missing RBAC rule; 422 is the step's
 fault with the API's message.
 
-Why list per poll, not watch: a poll is once per tick (seconds) and lists one label-selected
-namespace; a LIST is consistent and needs no reconnect/410 handling. A watch from the kept
-resourceVersion is the later optimisation for large installations.
+Pods from a watch: the installation's pods (label `lowtide.io/job` in the Argo namespace) are
+kept by one `adapters.k8s_watch.Informer` (LIST, then WATCH from its resourceVersion with
+bookmarks; relist on 410; backoff on errors), started at the first read, closed by `close`. A
+steady poll makes no pods request (a LIST per tick of thousands of pods was the cost); launch,
+poll, `adopt` of a handle without a pod and `reap_orphans` filter the cache's pods by the labels
+`lowtide.io/job`/`lowtide.io/step` here. The first read waits (bounded by `request_timeout_s`)
+for the first LIST and WATCH. A cache that is not *current* (a failed LIST or WATCH, until a
+watch is open again) is read as a failed LIST was: a temporary error (its 403 a permanent one
+naming the RBAC rule, `k8s_errors`), so a poll keeps what it knew (no exit invented, no attempt
+dropped) and a launch leaves its attempt PENDING for a later poll. lowtide's own pod writes (the
+admission patch, deletes) answer with the pod's new resourceVersion; the next read waits,
+bounded, until the cache has seen it (read-your-writes), else it is a temporary error too (once:
+the read after it does not wait for that write again).
+`pods_resource_version` is the cache's version at the last read. The node fit check
+(`adapters.k8s_nodes`: every pod on a node, any namespace, by `spec.nodeName`) stays a LIST.
+Known limit: a watch connection that dies silently is noticed only after the informer's idle
+timeout (`k8s_watch`), during which the cache looks current but misses changes.
+
+Kubernetes Events (with `events`, `adapters.k8s_events`; docs/cluster.md "Kubernetes Events"), on
+the pod: Warning ``AdmissionDeferred`` (the NodeBusy words), Normal ``Admitted`` (node, GPUs),
+Normal ``StopNotice`` (the port's `notify_stop` does not say whether it is a preemption, a cancel
+or a walltime) or ``Withdrawn``, Warning ``ImagePullGaveUp`` / ``UnschedulableGaveUp``.
 """
 
 from __future__ import annotations
@@ -112,7 +131,9 @@ from lowtide.adapters.argo.workflow import (
     dns_label,
 )
 from lowtide.adapters.argo.workflow_store import KubernetesWorkflows, WorkflowExists, WorkflowsApi
-from lowtide.adapters.k8s_nodes import NodeBusy, NodeLending
+from lowtide.adapters.k8s_events import EventSink, EventType, Regarding
+from lowtide.adapters.k8s_nodes import NodeBusy, NodeLending, pod_gpus
+from lowtide.adapters.k8s_watch import Informer, compare_resource_versions
 from lowtide.control.executor_port import (
     AdoptOutcome,
     AdoptRequest,
@@ -187,6 +208,8 @@ class ArgoExecutor:
         workflows_api: WorkflowsApi | None = None,
         nodes: Mapping[str, int] | None = None,
         node_resync_s: float = 60.0,
+        watch_backoff_s: tuple[float, float] = (0.8, 30.0),
+        events: EventSink | None = None,
     ) -> None:
         """`workflows(job_id)` compiles a job's current Workflow, of the generation the store gives
         (wiring reads the job from the store; called at each launch and `end_job`); it may raise
@@ -194,7 +217,8 @@ class ArgoExecutor:
         is where Workflows are created and read (default: the Kubernetes API of `api_client`).
         `nodes`: lowtide's configured nodes and GPU counts; with them each GPU pod's node is
         checked and labelled/tainted before admission (`k8s_nodes.NodeLending`; wiring always
-        passes them). None: pods are pinned without looking at the Node (tests of other parts)."""
+        passes them). None: pods are pinned without looking at the Node (tests of other parts).
+        `watch_backoff_s`: the pod watch's backoff (initial, cap) after a failure (`k8s_watch`)."""
         self._client = api_client
         self._core = client.CoreV1Api(api_client)
         self._wf_api: WorkflowsApi = workflows_api or KubernetesWorkflows(
@@ -221,21 +245,109 @@ class ArgoExecutor:
             if nodes is None
             else NodeLending(api_client, nodes, request_timeout_s=request_timeout_s, resync_s=node_resync_s)
         )
-        #: The resourceVersion of the last pod list (for a later watch).
+        #: The pod cache (module docstring, "Pods from a watch"), started at the first read.
+        self._pods = Informer(
+            api_client,
+            self._core.list_namespaced_pod,
+            None,
+            settings.namespace,
+            label_selector=LABEL_JOB,
+            what=f"pods {LABEL_JOB} in {settings.namespace}",
+            request_timeout_s=request_timeout_s,
+            backoff_s=watch_backoff_s,
+        )
+        self._reading = False  # the cache was read (so started) at least once
+        #: The resourceVersion of lowtide's last pod write, which the next read waits for ("").
+        self._own_write = ""
+        #: The resourceVersion of the pod cache at the last read.
         self.pods_resource_version: str | None = None
+        #: Kubernetes Events about the pods (`adapters.k8s_events`; docs/cluster.md "Kubernetes Events").
+        self._events = events
 
     # -- API calls -------------------------------------------------------------------------------
 
     def _error(self, exc: BaseException, verb: str, resource: str) -> ExecutorError:
         return k8s_errors.classify(exc, verb=verb, resource=resource, namespace=self._ns)
 
-    def _list_pods(self, selector: str) -> list[Obj]:
-        result = self._core.list_namespaced_pod(
-            self._ns, label_selector=selector, _request_timeout=self._timeout, _preload_content=False
+    def _list_pods(self, job: str | None = None, step: str | None = None) -> list[Obj]:
+        """The installation's pods (of `job`, of its `step` label, when given) from the watch
+        cache. Raises ExecutorError when the cache cannot be trusted now (module docstring)."""
+        self._reading = True
+        inf = self._pods.start()
+        snap = inf.snapshot()
+        if not snap.current and snap.error is None:  # starting: the first LIST and WATCH
+            inf.wait_current(self._timeout, or_failure=True)
+            snap = inf.snapshot()
+        if not snap.current:  # failing: no wait for a write it cannot show
+            raise self._stale(snap.problem, snap.error, snap.error_verb)
+        if self._own_write and not inf.wait_for(self._own_write, self._timeout):
+            snap = inf.snapshot()
+            if not snap.current:
+                raise self._stale(snap.problem, snap.error, snap.error_verb)
+            written, self._own_write = self._own_write, ""  # waited once: the next read does not
+            raise ExecutorError(
+                f"list pods in namespace {self._ns}: the pod cache has not shown lowtide's own write "
+                f"(resourceVersion {written}) within {self._timeout:g}s; will try again",
+                temporary=True,
+                infrastructure=k8s_errors.INFRASTRUCTURE,
+            )
+        snap = inf.snapshot()
+        if not snap.current:
+            raise self._stale(snap.problem, snap.error, snap.error_verb)
+        self._own_write = ""
+        self.pods_resource_version = snap.resource_version or None
+        out: list[Obj] = []
+        for pod in snap.items.values():
+            labels = (pod.get("metadata") or {}).get("labels") or {}
+            if (job is None or labels.get(LABEL_JOB) == job) and (
+                step is None or labels.get(LABEL_STEP) == step
+            ):
+                out.append(pod)
+        return out
+
+    def _stale(self, problem: str, error: BaseException | None, verb: str) -> ExecutorError:
+        """The error of a read from a pod cache that is not current: its failure classified
+        (a 403 names the RBAC rule), else temporary."""
+        if error is not None and k8s_errors.status_of(error) is not None:
+            err = self._error(error, verb or "list", "pods")
+            if not err.temporary:
+                return err
+        return ExecutorError(
+            f"list pods in namespace {self._ns}: the pod cache is not current ({problem}); will try again",
+            temporary=True,
+            infrastructure=k8s_errors.INFRASTRUCTURE,
         )
-        doc = _json(result)
-        self.pods_resource_version = (doc.get("metadata") or {}).get("resourceVersion")
-        return [p for p in doc.get("items") or [] if isinstance(p, dict)]
+
+    def _wrote(self, response: Any) -> None:
+        """Remember the resourceVersion of lowtide's own pod write (a pod in the answer), for the
+        next read to wait for; an answer without one (a Status) leaves nothing to wait for."""
+        try:
+            rv = str((_json(response).get("metadata") or {}).get("resourceVersion") or "")
+        except ValueError:
+            return
+        if compare_resource_versions(rv, rv) is None:  # none, or not comparable: nothing to wait for
+            return
+        if not self._own_write or _newer(rv, self._own_write):
+            self._own_write = rv
+
+    @property
+    def pod_cache_problem(self) -> str:
+        """Why the pod cache cannot be read now ("" when it can, or before its first read)."""
+        snap = self._pods.snapshot()
+        return "" if snap.current or not (snap.synced or snap.error) else snap.problem
+
+    def caught_up(self, resource_version: str | int, timeout_s: float) -> bool:
+        """Wait at most `timeout_s` until the pod cache is current and has seen `resource_version`
+        (for tests driving a simulated controller); True at once when no read has started it."""
+        if not self._reading:
+            return True
+        if str(resource_version or "0") == "0":  # no pod written yet: current is enough
+            return self._pods.wait_current(timeout_s)
+        return self._pods.wait_for(resource_version, timeout_s)
+
+    def _event(self, pod: str | None, uid: str | None, type_: EventType, reason: str, note: str) -> None:
+        if self._events is not None and pod:
+            self._events.emit(Regarding.pod(self._ns, pod, uid or ""), type_, reason, reason, note)
 
     def _get_workflow(self, name: str) -> Obj | None:
         """The Workflow, None if there is none. Raises ExecutorError."""
@@ -253,7 +365,7 @@ class ArgoExecutor:
             grace_period_seconds=grace, preconditions=client.V1Preconditions(uid=t.uid)
         )
         try:
-            self._core.delete_namespaced_pod(
+            answer = self._core.delete_namespaced_pod(
                 t.pod, self._ns, body=body, _request_timeout=self._timeout, _preload_content=False
             )
         except Exception as exc:
@@ -265,6 +377,7 @@ class ArgoExecutor:
             if not err.temporary:
                 raise err from exc
             return False
+        self._wrote(answer)
         return True
 
     # -- submission and admission -------------------------------------------------------------
@@ -361,9 +474,13 @@ class ArgoExecutor:
             # step_tokens), before the node is lent, so a failed write leaves nothing to undo.
             self._step_tokens.deliver(t.attempt_id, t.job_id, t.step_label, pod, workflow=t.workflow)
             if self._lending is not None:
-                self._lending.prepare_admission(t.node, pod, listed)
+                try:
+                    self._lending.prepare_admission(t.node, pod, listed)
+                except NodeBusy as exc:
+                    self._event(meta["name"], meta.get("uid"), "Warning", "AdmissionDeferred", str(exc))
+                    raise
             try:
-                self._core.patch_namespaced_pod(
+                answer = self._core.patch_namespaced_pod(
                     meta["name"],
                     self._ns,
                     pods.admission_patch(t.node, t.annotations),
@@ -371,10 +488,13 @@ class ArgoExecutor:
                     _request_timeout=self._timeout,
                     _preload_content=False,
                 )
+                self._wrote(answer)
             except Exception as exc:
                 if self._lending is not None:
                     self._lending.release(str(meta.get("uid", "")))
                 raise self._error(exc, "patch", "pods") from exc
+            note = f"onto node {t.node} with {pod_gpus(pod)} GPUs (job {t.job_id}, attempt {t.attempt_id})"
+            self._event(meta["name"], meta.get("uid"), "Normal", "Admitted", note)
         self._step_tokens.forget(t.attempt_id)
         t.pod, t.uid, t.node_id = meta["name"], meta["uid"], pods.pod_node_id(pod)
         log.info("attempt %s: admitted pod %s/%s on %s", t.attempt_id, self._ns, t.pod, t.node)
@@ -436,11 +556,12 @@ class ArgoExecutor:
         self._attempts[request.attempt_id] = t
         # With node lending the fit check needs all of the installation's pods (its own pinned, not
         # yet bound); `_claimable` picks the step's among them.
-        step_pods = f"{LABEL_JOB}={t.job_id},{LABEL_STEP}={t.step_label}"
         try:
-            candidates = self._list_pods(LABEL_JOB if self._lending is not None else step_pods)
+            candidates = (
+                self._list_pods() if self._lending is not None else self._list_pods(t.job_id, t.step_label)
+            )
         except Exception as exc:
-            err = self._error(exc, "list", "pods")
+            err = exc if isinstance(exc, ExecutorError) else self._error(exc, "list", "pods")
             if not err.temporary:
                 self._drop(request.attempt_id)
                 raise err from exc
@@ -471,6 +592,7 @@ class ArgoExecutor:
             if t.uid is not None and not self._delete_pod(t, 0):
                 t.delete_due = now  # retried at the next poll; the exit is reported now
             t.deleted = True
+            self._event(t.pod, t.uid, "Normal", "Withdrawn", "stopped by lowtide before it ran: deleted")
             self._exit(
                 t,
                 AttemptExit(
@@ -479,6 +601,10 @@ class ArgoExecutor:
             )
             return
         t.deleted = True
+        note = (
+            f"notice: SIGTERM now, to stop within {deadline - now:.0f}s (grace {self._grace(deadline, now)}s)"
+        )
+        self._event(t.pod, t.uid, "Normal", "StopNotice", note)
         t.delete_due = deadline
         if self._delete_pod(t, self._grace(deadline, now)):
             t.delete_due = None
@@ -497,7 +623,7 @@ class ArgoExecutor:
         return PollReport(exits=tuple(self._unacked.values()), started=tuple(started))
 
     def _observe(self, live: list[_Attempt], now: float, started: list[AttemptStarted]) -> None:
-        all_pods = self._list_pods(LABEL_JOB)
+        all_pods = self._list_pods()
         self._observe_attempts(live, all_pods, now, started)
         if self._lending is not None:  # after this poll's admissions (held until listed admitted)
             self._lending.reconcile(all_pods, now)
@@ -563,6 +689,8 @@ class ArgoExecutor:
         """A pending pod that will not start: delete it (Argo makes it again) and report."""
         if self._delete_pod(t, 0):
             t.deleted = True
+            why = "ImagePullGaveUp" if reason == ExitReason.IMAGE_PULL else "UnschedulableGaveUp"
+            self._event(t.pod, t.uid, "Warning", why, f"deleted by lowtide, requeued: {detail}")
             self._exit(t, AttemptExit(t.attempt_id, None, None, now, reason=reason, detail=detail))
 
     def _kill(self, t: _Attempt) -> None:
@@ -745,7 +873,7 @@ class ArgoExecutor:
         except ValueError as exc:  # it compiled at launch; the settings changed since
             log.warning("attempt %s: job %s does not compile: %s", request.attempt_id, job_id, exc)
             return AdoptResult(AdoptOutcome.LOST)
-        candidates = self._list_pods(f"{LABEL_JOB}={job_id},{LABEL_STEP}={step_label}")
+        candidates = self._list_pods(job_id, step_label)
         claimed = self._claimed_uids()
         t = _Attempt(
             request.attempt_id,
@@ -789,9 +917,10 @@ class ArgoExecutor:
         ]:
             self._drop(attempt_id)
         try:
-            listed = self._list_pods(LABEL_JOB)
+            listed = self._list_pods()
         except Exception as exc:
-            log.warning("orphaned pods not reaped: %s", self._error(exc, "list", "pods"))
+            err = exc if isinstance(exc, ExecutorError) else self._error(exc, "list", "pods")
+            log.warning("orphaned pods not reaped: %s", err)
             return []
         claimed = self._claimed_uids()
         for pod in listed:
@@ -807,8 +936,14 @@ class ArgoExecutor:
                 continue
             body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=meta["uid"]))
             try:
-                self._core.delete_namespaced_pod(
-                    meta["name"], self._ns, body=body, _request_timeout=self._timeout, _preload_content=False
+                self._wrote(
+                    self._core.delete_namespaced_pod(
+                        meta["name"],
+                        self._ns,
+                        body=body,
+                        _request_timeout=self._timeout,
+                        _preload_content=False,
+                    )
                 )
                 log.warning(
                     "deleted orphaned pod %s/%s (no attempt of this lowtide holds it)", self._ns, meta["name"]
@@ -827,6 +962,7 @@ class ArgoExecutor:
 
     def close(self) -> None:
         """Stop watching (pods keep running; a later control plane adopts them)."""
+        self._pods.close()
         self._wf_api.close()
         self._client.close()
 
@@ -848,6 +984,12 @@ def pod_workflow(pod: Mapping[str, Any]) -> str:
 def _created(pod: Mapping[str, Any]) -> tuple[str, str]:
     meta = pod.get("metadata") or {}
     return str(meta.get("creationTimestamp", "")), str(meta.get("name", ""))
+
+
+def _newer(a: str, b: str) -> bool:
+    """`a` is a later resourceVersion than `b` (KEP-5504 comparable versions; `k8s_watch`)."""
+    order = compare_resource_versions(a, b)
+    return order is not None and order > 0
 
 
 def _json(response: Any) -> Obj:

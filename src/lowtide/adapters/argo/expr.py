@@ -12,16 +12,22 @@ mistake fails `lowtide argo render` and the tests instead.
 
 Grammar (expr-lang docs/language-definition.md, v1.17: `||`/`or` binds loosest, then `&&`/`and`,
 then comparisons and the string operators `contains`, `matches`, `startsWith`, `endsWith`, then
-unary `!`/`not`): literals (double- or single-quoted strings, integers, `true`/`false`), names
-with `.` member access, calls, parentheses. Anything else is refused, not guessed at.
+unary `!`/`not`; `+` binds tighter than comparisons): literals (double- or single-quoted
+strings, integers, `true`/`false`), names with `.` member access, calls, parentheses. Anything
+else is refused, not guessed at.
 
 `evaluate_retry_expression` evaluates a checked expression over a concrete scope the way Argo
 does (short-circuit `||`/`&&`; `asInt` parses a decimal string, an error otherwise; `matches` uses
 Python's `re.search` where Go uses RE2, the same for the plain alternations we write), so fakes
 of Argo's controller in tests decide retries with the expression lowtide compiled.
 
-Neighbours: `workflow` builds the expression and calls `check_retry_expression`; test fakes of
-Argo call `evaluate_retry_expression`.
+An expression template (`{{=...}}` in a template's labels or env, e.g. the attempt number
+`asInt(retries) + 1`) is checked and evaluated the same way by `check_template_expression` and
+`evaluate_template_expression` over the names Argo binds there for a retry child (`retries`, a
+string: operator.go `executeTemplate` puts `strconv.Itoa(retryNum)` in the local parameters).
+
+Neighbours: `workflow` builds the expressions and calls `check_retry_expression` and
+`check_template_expression`; test fakes of Argo call the evaluators.
 Must not: accept syntax it does not understand, or guess a value Argo would not bind.
 """
 
@@ -32,7 +38,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RETRY_SCOPE", "ExprError", "check_retry_expression", "evaluate_retry_expression"]
+__all__ = [
+    "RETRY_SCOPE",
+    "TEMPLATE_SCOPE",
+    "ExprError",
+    "check_retry_expression",
+    "check_template_expression",
+    "evaluate_retry_expression",
+    "evaluate_template_expression",
+]
 
 #: The names Argo binds for a retry expression, with their expr-lang types (all strings).
 RETRY_SCOPE: Mapping[str, str] = {
@@ -42,6 +56,8 @@ RETRY_SCOPE: Mapping[str, str] = {
     "lastRetry.duration": "string",
     "lastRetry.message": "string",
 }
+#: The names an expression template of a retry child may use (a string, like every parameter).
+TEMPLATE_SCOPE: Mapping[str, str] = {"retries": "string"}
 #: Functions from util/expr/env/env.go we allow, with their result type (`asInt` = builtin int).
 _FUNCTIONS: Mapping[str, str] = {"asInt": "int", "asFloat": "float"}
 _STRING_OPS = ("contains", "matches", "startsWith", "endsWith")
@@ -50,7 +66,7 @@ _TOKEN = re.compile(
     r"""\s*(?:
       (?P<num>\d+)
     | (?P<str>"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*')
-    | (?P<op>\|\||&&|==|!=|<=|>=|<|>|!|\(|\)|\.|,)
+    | (?P<op>\|\||&&|==|!=|<=|>=|<|>|!|\(|\)|\.|,|\+)
     | (?P<name>[A-Za-z_][A-Za-z0-9_]*)
     )""",
     re.VERBOSE,
@@ -108,13 +124,14 @@ class _Parser:
         if tok.text != text or tok.kind not in ("op", "name"):
             raise ExprError(f"expected {text!r} at {tok.at}, found {tok.text or 'the end'!r}")
 
-    def parse(self) -> Node:
+    def parse(self, want: str = "bool") -> Node:
         node = self.orexpr()
         tok = self.peek()
         if tok.kind != "end":
             raise ExprError(f"unexpected {tok.text!r} at {tok.at}")
-        if node[1] != "bool":
-            raise ExprError(f"a retry expression must be a boolean, this one is a {node[1]}")
+        if node[1] != want:
+            what = "a retry expression must be a boolean" if want == "bool" else f"it must be a {want}"
+            raise ExprError(f"{what}, this one is a {node[1]}")
         return node
 
     def _logical(self, ops: tuple[str, ...], sub: str, kind: str) -> Node:
@@ -134,11 +151,11 @@ class _Parser:
         return self._logical(("&&", "and"), "compare", "and")
 
     def compare(self) -> Node:
-        left = self.unary()
+        left = self.additive()
         tok = self.peek()
         if (tok.text in _COMPARE and tok.kind == "op") or (tok.text in _STRING_OPS and tok.kind == "name"):
             self.take()
-            right = self.unary()
+            right = self.additive()
             a, b = left[1], right[1]
             if tok.text in _STRING_OPS:
                 if a != "string" or b != "string":
@@ -149,6 +166,22 @@ class _Parser:
             elif not ({a, b} <= {"int", "float"} or a == b == "string"):
                 raise ExprError(f"{tok.text!r} at {tok.at} cannot order a {a} and a {b}")
             return ("op", "bool", tok.text, left, right)
+        return left
+
+    def additive(self) -> Node:
+        """`a + b`: numbers (int + int is an int) or strings (concatenation), as in expr-lang."""
+        left = self.unary()
+        while self.peek().text == "+" and self.peek().kind == "op":
+            tok = self.take()
+            right = self.unary()
+            a, b = left[1], right[1]
+            if {a, b} <= {"int", "float"}:
+                kind = "int" if a == b == "int" else "float"
+            elif a == b == "string":
+                kind = "string"
+            else:
+                raise ExprError(f"'+' at {tok.at} cannot add a {a} and a {b}")
+            left = ("op", kind, "+", left, right)
         return left
 
     def unary(self) -> Node:
@@ -237,6 +270,7 @@ def _eval(node: Node, scope: Mapping[str, str]) -> Any:
         "<=": lambda: a <= b,
         ">": lambda: a > b,
         ">=": lambda: a >= b,
+        "+": lambda: a + b,
     }[op]()
 
 
@@ -259,3 +293,26 @@ def evaluate_retry_expression(text: str, values: Mapping[str, str]) -> bool:
     if missing:
         raise ExprError(f"no value for {', '.join(missing)}")
     return bool(_eval(tree, values))
+
+
+def _template_tree(text: str, want: str) -> Node:
+    if not (text.startswith("{{=") and text.endswith("}}")) or not text[3:-2].strip():
+        raise ExprError(f"{text!r} is not one expression template '{{{{=...}}}}'")
+    return _Parser(text[3:-2], TEMPLATE_SCOPE).parse(want)
+
+
+def check_template_expression(text: str, want: str = "int") -> None:
+    """Raise ExprError unless `text` is exactly one expression template `{{=E}}` whose E is an
+    expr-lang expression of type `want` over `TEMPLATE_SCOPE`."""
+    _template_tree(text, want)
+
+
+def evaluate_template_expression(text: str, values: Mapping[str, str], want: str = "int") -> str:
+    """The text Argo puts in place of the expression template `text` for a retry child described
+    by `values` (`retries`: its 0-based index, a string); numbers and strings are written plainly.
+    Raises ExprError as `check_template_expression`, or for a missing value."""
+    tree = _template_tree(text, want)
+    missing = sorted(set(TEMPLATE_SCOPE) - set(values))
+    if missing:
+        raise ExprError(f"no value for {', '.join(missing)}")
+    return str(_eval(tree, values))

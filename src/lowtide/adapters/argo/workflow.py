@@ -27,7 +27,11 @@ The mechanism, and the Argo facts it rests on (argo-workflows v4.1.2, commit f01
 - **The step contract as env**: what `step_environment` gives, with three cluster changes:
   `LOWTIDE_NODE` comes from the downward API (`spec.nodeName`), `CUDA_VISIBLE_DEVICES` is left to
   the device plugin (the container sees only its GPUs), and `LOWTIDE_ATTEMPT` is the expression
-  template `{{=asInt(retries) + 1}}` (1-based, like the local executor). Argo substitutes the whole
+  template `{{=asInt(retries) + 1}}` (1-based, like the local executor); in a retried generation
+  it is `{{=asInt(retries) + 1 + K}}`, K the attempts the step had before the retry
+  (`attempts_before`, from the store), so the numbers go on across generations instead of
+  starting at 1 again (Argo counts a new Workflow's retries from 0); both are checked with
+  `expr.check_template_expression`. Argo substitutes the whole
   template JSON, labels and env included, for each retry child with `retries` = the child's index
   (operator.go `executeTemplate` → `common.SubstituteParams`, workflow/common/util.go), and
   `retries` is one of the late-bound names an expression template waits for
@@ -58,7 +62,10 @@ The mechanism, and the Argo facts it rests on (argo-workflows v4.1.2, commit f01
   gated (waiting for lowtide's admission) as running time. "pod deleted" is the message Argo
   writes on a node whose pod vanished (operator.go `podReconciliation`). `retries` counts every
   earlier child, preemptions included, so the third clause is coarser than the local executor's
-  rule (preemptions use no retry): lowtide's store stays the judge and can stop a job.
+  rule (preemptions use no retry): lowtide's store stays the judge and can stop a job. In a
+  retried generation `retries` counts that Workflow's children only, so the clause means
+  "retries left in this generation" and N stays `max_retries`: `lowtide retry` gives the step a
+  fresh budget (`policy.retry`: `retries_used` = 0); only the attempt number carries an offset.
 - **The shim**: the container's command is the shim (`shim_command`, default
   `["lowtide-step-shim", "--"]`), the step's argv its `args`. The in-image shim must do what
   `adapters.step_shim` does locally and more: run the step as a child; on SIGTERM write the
@@ -87,7 +94,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lowtide.adapters.argo.expr import ExprError, check_retry_expression
+from lowtide.adapters.argo.expr import ExprError, check_retry_expression, check_template_expression
 from lowtide.control.contract import step_environment
 from lowtide.domain.layout import ArtifactLayout, is_remote, join_uri
 from lowtide.domain.spec import JobSpec, ResolvedStep, StepSpec
@@ -109,6 +116,7 @@ __all__ = [
     "ArgoSettings",
     "CompiledWorkflow",
     "NothingLeftToRun",
+    "attempt_value",
     "compile_workflow",
     "dns_label",
     "job_generation",
@@ -131,6 +139,21 @@ ANNOTATION_GENERATION = "lowtide.io/generation"
 DAG_TEMPLATE = "lowtide-job"
 #: The attempt number (1-based) as an Argo expression template, resolved per retry child.
 ATTEMPT_VALUE = "{{=asInt(retries) + 1}}"
+
+
+def attempt_value(before: int = 0) -> str:
+    """The attempt number as an expression template: `ATTEMPT_VALUE` for a step with no earlier
+    attempts, else `{{=asInt(retries) + 1 + <before>}}` (a retried generation; module docstring)."""
+    if before < 0:
+        raise ArgoCompileError(f"a step cannot have had {before} attempts")
+    text = ATTEMPT_VALUE if before == 0 else f"{{{{=asInt(retries) + 1 + {before}}}}}"
+    try:
+        check_template_expression(text)
+    except ExprError as exc:  # pragma: no cover - the text above is fixed
+        raise ArgoCompileError(f"attempt expression {text!r}: {exc}") from None
+    return text
+
+
 RESULT_PARAMETER = "lowtide-result"
 RESULT_COMPLETED = "completed"
 RUN_VOLUME = "lowtide-run"
@@ -314,14 +337,14 @@ def _no_argo_braces(value: str, where: str) -> None:
 
 
 def _env_list(
-    env: Mapping[str, str], resolved: ResolvedStep, settings: ArgoSettings, where: str
+    env: Mapping[str, str], resolved: ResolvedStep, settings: ArgoSettings, where: str, attempt: str
 ) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     for key, value in env.items():
         if key == "LOWTIDE_NODE":
             items.append({"name": key, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
         elif key == "LOWTIDE_ATTEMPT":
-            items.append({"name": key, "value": ATTEMPT_VALUE})
+            items.append({"name": key, "value": attempt})
         else:
             _no_argo_braces(value, f"{where}.env.{key}")
             items.append({"name": key, "value": value})
@@ -345,7 +368,7 @@ def _contract_env(
 ) -> dict[str, str]:
     env = step_environment(
         job_id=job_id,
-        attempt=1,  # replaced by ATTEMPT_VALUE
+        attempt=1,  # replaced by attempt_value(...)
         node="",  # replaced by the downward API
         gpus=tuple(range(resolved.gpus)),
         resolved=resolved,
@@ -372,15 +395,17 @@ def _step_template(
     job_id: str,
     workflow: str,
     settings: ArgoSettings,
+    attempts_before: int,
 ) -> dict[str, Any]:
     where = f"steps.{step.name}"
+    attempt = attempt_value(attempts_before)
     image = resolved.image or settings.default_image
     if not image:
         raise ArgoCompileError(f"{where}.image: cluster mode runs images; give one or set argo.default_image")
     _no_argo_braces(image, f"{where}.image")
     for i, arg in enumerate(resolved.command):
         _no_argo_braces(arg, f"{where}.command[{i}]")
-    env = _env_list(_contract_env(spec, resolved, job_id, settings), resolved, settings, where)
+    env = _env_list(_contract_env(spec, resolved, job_id, settings), resolved, settings, where, attempt)
     container: dict[str, Any] = {
         "name": "main",
         "image": image,
@@ -407,7 +432,7 @@ def _step_template(
     template: dict[str, Any] = {
         "name": name,
         "metadata": {
-            "labels": {LABEL_JOB: job_label, LABEL_STEP: dns_label(step.name), LABEL_ATTEMPT: ATTEMPT_VALUE}
+            "labels": {LABEL_JOB: job_label, LABEL_STEP: dns_label(step.name), LABEL_ATTEMPT: attempt}
         },
         "priorityClassName": settings.research_priority_class,
         "retryStrategy": {
@@ -459,11 +484,14 @@ def compile_workflow(
     resolved: Mapping[str, ResolvedStep] | None = None,
     generation: int = 0,
     succeeded: Collection[str] = frozenset(),
+    attempts_before: Mapping[str, int] | None = None,
 ) -> CompiledWorkflow:
     """The Workflow job `job_id` of `spec` becomes (module docstring). `resolved` are the steps as
     stored for the job (default: rendered here under `settings.artifact_root`, as `lowtide submit`
     does). `generation` > 0: the Workflow of a retried job (`job_generation`), without the steps
-    in `succeeded` (which generation 0, the whole job, must not name). Raises ArgoCompileError
+    in `succeeded` (which generation 0, the whole job, must not name), and `attempts_before`:
+    step name -> the attempts it had before the retry (its attempt numbers go on from there;
+    absent: none; generation 0 has none). Raises ArgoCompileError
     naming the step and field when something cannot be expressed."""
     if not _LABEL_RE.fullmatch(job_id):
         raise ArgoCompileError(f"job id {job_id!r} is not a DNS-1123 label (a-z, 0-9, '-', at most 63)")
@@ -475,6 +503,12 @@ def compile_workflow(
         raise ArgoCompileError(f"succeeded steps {unknown} are not steps of the job")
     if succeeded and generation == 0:
         raise ArgoCompileError("generation 0 is the whole job: only a retried generation leaves steps out")
+    before = dict(attempts_before or {})
+    unknown = sorted(set(before) - {s.name for s in spec.steps})
+    if unknown:
+        raise ArgoCompileError(f"attempts_before names {unknown}, which are not steps of the job")
+    if generation == 0 and any(before.values()):
+        raise ArgoCompileError("generation 0 is the job's first Workflow: no step had attempts before it")
     if succeeded and all(s.name in succeeded for s in spec.steps):
         raise NothingLeftToRun(name)
     layout = ArtifactLayout(settings.artifact_root, work_root=settings.run_dir)
@@ -524,6 +558,7 @@ def compile_workflow(
                 job_id=job_id,
                 workflow=name,
                 settings=settings,
+                attempts_before=before.get(step_name, 0),
             )
         )
     wf_spec: dict[str, Any] = {
