@@ -45,6 +45,7 @@ from lowtide.control.contract import parse_checkpoint_label
 from lowtide.control.inference import InferenceController
 from lowtide.control.log_port import AttemptLogRef, LogReader
 from lowtide.control.records import (
+    AttemptRecord,
     IdempotencyConflict,
     JobRecord,
     LastAdminToken,
@@ -503,16 +504,9 @@ def create_app(ctx: ApiContext) -> FastAPI:
                 return
             time.sleep(ctx.log_poll_s)
 
-    @v1.post(
-        "/jobs/{job_id}/steps/{step}/checkpoints",
-        status_code=201,
-        response_model=schemas.CheckpointOut,
-        responses={404: {"model": schemas.ErrorOut}, 409: {"model": schemas.ErrorOut}},
-        summary="A running step reports a checkpoint (its LOWTIDE_STEP_TOKEN, or an admin)",
-    )
-    def report_checkpoint(
-        who: Who, job_id: str, step: str, body: schemas.CheckpointIn
-    ) -> schemas.CheckpointOut:
+    def own_running_attempt(who: Principal, job_id: str, step: str, people_refused: str) -> AttemptRecord:
+        """The step's running attempt, asked for by its own step token or an admin: 403 for
+        another attempt's token or a person (`people_refused` says why), 409 when none runs."""
         attempts = _found(lambda: ctx.store.step_attempts(job_id, step))
         running = [a for a in attempts if a.state in ACTIVE_ATTEMPT_STATES]
         if who.role == "step":
@@ -524,17 +518,26 @@ def create_app(ctx: ApiContext) -> FastAPI:
                     [("header.Authorization", "token of another attempt")],
                 )
         elif not who.is_admin:
-            raise ApiError(
-                403,
-                "forbidden",
-                "checkpoints are reported by the step itself (LOWTIDE_STEP_TOKEN)",
-                [("header.Authorization", "role")],
-            )
+            raise ApiError(403, "forbidden", people_refused, [("header.Authorization", "role")])
         if not running:
             raise ApiError(
                 409, "conflict", f"step '{step}' has no running attempt", [("path.step", "not running")]
             )
-        current = running[-1]
+        return running[-1]
+
+    @v1.post(
+        "/jobs/{job_id}/steps/{step}/checkpoints",
+        status_code=201,
+        response_model=schemas.CheckpointOut,
+        responses={404: {"model": schemas.ErrorOut}, 409: {"model": schemas.ErrorOut}},
+        summary="A running step reports a checkpoint (its LOWTIDE_STEP_TOKEN, or an admin)",
+    )
+    def report_checkpoint(
+        who: Who, job_id: str, step: str, body: schemas.CheckpointIn
+    ) -> schemas.CheckpointOut:
+        current = own_running_attempt(
+            who, job_id, step, "checkpoints are reported by the step itself (LOWTIDE_STEP_TOKEN)"
+        )
         try:  # the same rule as LATEST (docs/architecture.md §6.2)
             label = parse_checkpoint_label(body.label, checkpoint_dir=current.record.get("checkpoint_dir"))
         except ValueError as exc:
@@ -564,28 +567,9 @@ def create_app(ctx: ApiContext) -> FastAPI:
     def step_notice(who: Who, job_id: str, step: str) -> schemas.NoticeOut:
         """Cluster mode's shim asks this on SIGTERM: Kubernetes does not tell a container the
         grace of the delete that stopped it (docs/cluster.md "The step shim in the image")."""
-        attempts = _found(lambda: ctx.store.step_attempts(job_id, step))
-        running = [a for a in attempts if a.state in ACTIVE_ATTEMPT_STATES]
-        if who.role == "step":
-            if not running or running[-1].id != who.attempt_id:
-                raise ApiError(
-                    403,
-                    "forbidden",
-                    "this step token belongs to another attempt",
-                    [("header.Authorization", "token of another attempt")],
-                )
-        elif not who.is_admin:
-            raise ApiError(
-                403,
-                "forbidden",
-                "a notice is read by the step itself (LOWTIDE_STEP_TOKEN)",
-                [("header.Authorization", "role")],
-            )
-        if not running:
-            raise ApiError(
-                409, "conflict", f"step '{step}' has no running attempt", [("path.step", "not running")]
-            )
-        current = running[-1]
+        current = own_running_attempt(
+            who, job_id, step, "a notice is read by the step itself (LOWTIDE_STEP_TOKEN)"
+        )
         deadline = current.stop_deadline
         if deadline is None:
             return schemas.NoticeOut(attempt_id=current.id, noticed=False, seconds_left=None, reason=None)
