@@ -2,22 +2,33 @@
 
 `policy.placement._usable` remembers the usable GPUs per node by the identity of its arguments;
 `sim.ports.SimExecutor` keeps the GPUs its steps hold, the earliest exit and the earliest time a
-checkpoint can be due instead of recomputing them every tick. Each is checked here against the
-plain computation, over sequences where the remembered value would go stale if it were kept
-too long.
+checkpoint can be due instead of recomputing them every tick. The inference decision keeps its
+last GPUs research may not use (`_not_offered`, by value over frozen copies; `_all_offered`, the
+shortcut when every idle GPU is offered), the running steps' GPUs (`_step_gpus`, by the identity
+of the kept tuple), and `gpu_shares`, the autoscaler's sums and the research offer were rewritten
+for speed. Each is checked here against the plain computation, over sequences where the
+remembered value would go stale if it were kept too long.
 """
 
 from __future__ import annotations
 
 import math
 
+import pytest
 from builders import running, snapshot
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowtide.control.executor_port import LaunchRequest
+from lowtide.control.inference_ports import ReplicaLaunch
+from lowtide.domain.gpus import GpuRef, Node
+from lowtide.domain.metrics import ReplicaSignals
+from lowtide.policy import inference as decide
+from lowtide.policy.autoscale import _total
+from lowtide.policy.lending import GpuShare, gpu_shares
 from lowtide.policy.placement import FreeGpus
-from lowtide.sim.ports import SimExecutor, StepBehaviour
+from lowtide.policy.replicas import research_offer
+from lowtide.sim.ports import ReplicaTimes, SimExecutor, SimServiceManager, StepBehaviour
 
 
 def test_free_gpus_follow_a_new_unavailable_set_on_the_same_nodes() -> None:
@@ -100,3 +111,141 @@ def test_sim_executor_bookkeeping_matches_a_recount(ops: list[tuple[str, int, fl
         # the remembered "nothing due before" never hides a due checkpoint
         earliest = min((a.first_report_at() for a in ex.running.values()), default=math.inf)
         assert ex._quiet_until <= earliest
+
+
+# -- the inference decision's GPU sets ----------------------------------------------------------
+
+_NODES = (Node("a", (0, 1, 2, 3)), Node("b", (3, 1, 0, 2)), Node("c", (0, 1)))  # b: not ascending
+_indices = st.dictionaries(st.sampled_from(["a", "b", "c"]), st.sets(st.integers(0, 3), max_size=4))
+
+
+def _plain_unavailable(
+    busy: dict[str, set[int]], affinity: dict[str, set[int]], new_lendable: int, steps: dict[str, set[int]]
+) -> frozenset[GpuRef]:
+    """Every GPU no step holds and research is not offered, from scratch."""
+    offer = research_offer(_NODES, busy=busy, affinity=affinity, new_lendable=new_lendable)
+    return frozenset(
+        GpuRef(n.name, i)
+        for n in _NODES
+        for i in n.gpus
+        if i not in steps.get(n.name, set()) and i not in offer.get(n.name, [])
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(_indices, _indices, st.integers(-2, 12), _indices), min_size=1, max_size=8))
+def test_not_offered_is_the_offer_computed_afresh_even_when_an_input_dict_is_changed_in_place(
+    calls: list[tuple[dict[str, set[int]], dict[str, set[int]], int, dict[str, set[int]]]],
+) -> None:
+    busy: dict[str, set[int]] = {}
+    for extra, affinity, new_lendable, held in calls:
+        steps = {node: {i for i in held[node] if i < 4} for node in held}
+        # the same dict object, changed in place: what was remembered must not be handed back
+        busy.clear()
+        for node, indices in extra.items():
+            busy[node] = set(indices)
+        for node, indices in steps.items():
+            busy.setdefault(node, set()).update(indices)
+        expected = _plain_unavailable(busy, affinity, new_lendable, steps)
+        assert decide._not_offered(_NODES, busy, affinity, new_lendable, steps) == expected
+        assert decide._not_offered(_NODES, busy, affinity, new_lendable, steps) == expected  # remembered
+
+
+def test_research_offer_lists_each_node_lowest_index_first_whatever_the_node_order() -> None:
+    offer = research_offer(_NODES, busy={"b": {1}}, affinity={"a": {0}}, new_lendable=7)
+    # a has 4 idle, b 3, c 2: plain GPUs in that node order, each node lowest index first; a's 0
+    # is wanted back by a sleeping replica: it would come after every plain one
+    assert offer == {"a": [1, 2, 3], "b": [0, 2, 3], "c": [0]}
+    offer = research_offer(_NODES, busy={"b": {1}}, affinity={"a": {0}}, new_lendable=9)
+    assert offer == {"a": [1, 2, 3, 0], "b": [0, 2, 3], "c": [0, 1]}
+
+
+def test_step_gpus_are_read_only_and_follow_a_new_tuple_of_running_steps() -> None:
+    first = (running("a", [0, 1], attempt_id=1), running("b", [2], attempt_id=2))
+    held, lent, active = decide._step_gpus(first)
+    assert (dict(held), lent, active) == ({"a": frozenset({0, 1}), "b": frozenset({2})}, 3, 3)
+    assert decide._step_gpus(first)[0] is held  # the same tuple: kept
+    with pytest.raises(TypeError):
+        held["c"] = frozenset()  # type: ignore[index]
+    second = (running("a", [3], attempt_id=3),)
+    assert dict(decide._step_gpus(second)[0]) == {"a": frozenset({3})}
+    assert dict(decide._step_gpus(first)[0]) == {"a": frozenset({0, 1}), "b": frozenset({2})}
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b", "c", "x"]),
+            st.sets(st.integers(0, 4)),
+            st.sampled_from([0.0, 1.5, 2.5]),
+        ),
+        max_size=6,
+    )
+)
+def test_gpu_shares_are_what_each_sleeping_replica_reserves_summed_per_gpu(
+    sleeping: list[tuple[str, set[int], float]],
+) -> None:
+    nodes = (Node("a", (0, 1, 2, 3), gpu_memory_gib=80.0), Node("b", (3, 1, 0, 2)), Node("c", (0, 1), 2.0))
+    memory = {n.name: n.gpu_memory_gib for n in nodes}
+    reserved: dict[GpuRef, float] = {}
+    for node, indices, residual in sleeping:
+        for i in sorted(indices):
+            if residual > 0:
+                reserved[GpuRef(node, i)] = reserved.get(GpuRef(node, i), 0.0) + residual
+    expected = {
+        ref: GpuShare(held, None if memory.get(ref.node) is None else max(0.0, memory[ref.node] - held))  # type: ignore[operator]
+        for ref, held in reserved.items()
+    }
+    assert gpu_shares(nodes, [(n, tuple(sorted(i)), r) for n, i, r in sleeping]) == expected
+
+
+def test_the_autoscaler_sum_clips_negatives_as_before_and_knows_nothing_from_a_gap() -> None:
+    def sig(running: float | None) -> ReplicaSignals:
+        return ReplicaSignals(replica="s/0", at=0.0, running=running)
+
+    def get(r: ReplicaSignals) -> float | None:
+        return r.running
+
+    assert _total([sig(2.0), sig(-1.0), sig(0.5)], get) == 2.5
+    for values in ([-0.0], [-0.0, -0.0], [0.0, -3.0], [0.1] * 10):
+        plain = math.fsum(max(v, 0.0) for v in values)  # the formula before the rewrite
+        assert repr(_total([sig(v) for v in values], get)) == repr(plain)
+    assert _total([sig(1.0), sig(None)], get) is None
+    assert _total([sig(1.0), sig(math.inf)], get) is None
+    assert _total([sig(math.nan)], get) is None
+    assert _total([], get) is None
+
+
+_replica_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["start", "park-sleep", "park-stop", "unpark", "advance"]),
+        st.integers(0, 3),
+        st.floats(0.5, 200.0),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(_replica_ops)
+def test_sim_service_manager_earliest_event_matches_a_recount(ops: list[tuple[str, int, float]]) -> None:
+    manager = SimServiceManager({"s": ReplicaTimes()})
+    now = 0.0
+    for kind, slot, dt in ops:
+        rid = f"s/{slot}"
+        if kind == "start":
+            manager.start(
+                ReplicaLaunch(rid, "s", "m", "n1", (slot,), 8000 + slot, ("serve",), {}, "w", "l", 60.0), now
+            )
+        elif kind.startswith("park") and rid in manager.replicas:
+            manager.park(rid, "sleep" if kind == "park-sleep" else "stop", now)
+        elif kind == "unpark" and rid in manager.replicas:
+            manager.unpark(rid, now)
+        else:
+            now += dt
+            due = sorted(r for r, rep in manager.replicas.items() if rep.due is not None and rep.due <= now)
+            assert [e.replica_id for e in manager.poll(now)] == due  # every event due, in id order
+        plain = min((r.due for r in manager.replicas.values() if r.due is not None), default=None)
+        assert manager.next_event() == plain

@@ -234,8 +234,10 @@ class InferenceController:
         # The replica values of the last read, by the identity of the record they came from: the
         # in-memory store hands back the same record until it changes.
         self._views: dict[int, tuple[ReplicaRecord, ReplicaView]] = {}
-        # The sleeping replicas of the last tick and their `gpu_shares` (see `_gpu_shares`).
-        self._shares: tuple[_Asleep, Mapping[GpuRef, GpuShare]] | None = None
+        # The records of the last read and the views made of them (see `_read_replicas`).
+        self._read: tuple[tuple[ReplicaRecord, ...], tuple[ReplicaView, ...]] | None = None
+        # The replicas of the last tick, the sleeping ones and their `gpu_shares` (`_gpu_shares`).
+        self._shares: tuple[tuple[ReplicaView, ...], _Asleep, Mapping[GpuRef, GpuShare]] | None = None
         #: The envelope point recorded last (None: none since this controller started).
         self._lending_recorded: LendingPoint | None = None
 
@@ -307,14 +309,21 @@ class InferenceController:
         self._save_profiles(now)
         return result
 
-    def _gpu_shares(self, replicas: Sequence[ReplicaView]) -> Mapping[GpuRef, GpuShare]:
+    def _gpu_shares(self, replicas: tuple[ReplicaView, ...]) -> Mapping[GpuRef, GpuShare]:
         """`policy.lending.gpu_shares` of the sleeping replicas: a pure function of them (the nodes
-        never change), so it is rebuilt only when they do, not at every tick (read-only view)."""
-        asleep = tuple(self._asleep(replicas))
+        never change), so it is rebuilt only when they do, not at every tick (read-only view).
+        The replicas themselves are compared first: the views are frozen and mostly the very
+        objects of the last tick (`_read_replicas`), so equal replicas cost a pass of identity
+        checks and need no new list of the sleeping ones."""
         last = self._shares
-        if last is None or last[0] != asleep:
-            last = self._shares = (asleep, MappingProxyType(gpu_shares(self.nodes, asleep)))
-        return last[1]
+        if last is not None and last[0] == replicas:
+            return last[2]
+        asleep = tuple(self._asleep(replicas))
+        if last is None or last[1] != asleep:
+            self._shares = (replicas, asleep, MappingProxyType(gpu_shares(self.nodes, asleep)))
+        else:
+            self._shares = (replicas, asleep, last[2])
+        return self._shares[2]
 
     def _asleep(self, replicas: Sequence[ReplicaView]) -> list[tuple[str, tuple[int, ...], float]]:
         """Sleeping replicas as (node, GPUs, residual GiB per GPU) for `gpu_shares`."""
@@ -327,16 +336,24 @@ class InferenceController:
     # -- observe -------------------------------------------------------------------------------
 
     def _read_replicas(self) -> tuple[ReplicaView, ...]:
+        records = tuple(self.store.replicas())
+        last = self._read
+        if last is not None and last[0] == records:
+            # The same records as at the last read (the in-memory store hands back the very same
+            # objects; the records are frozen): the same views, as the same tuple.
+            return last[1]
         cache = self._views
         seen: dict[int, tuple[ReplicaRecord, ReplicaView]] = {}
         out = []
-        for rec in self.store.replicas():
+        for rec in records:
             hit = cache.get(id(rec))
             view = hit[1] if hit is not None and hit[0] is rec else _view(rec)
             seen[id(rec)] = (rec, view)
             out.append(view)
         self._views = seen
-        return tuple(out)
+        views = tuple(out)
+        self._read = (records, views)
+        return views
 
     def _settle(
         self, events: Sequence[ReplicaEvent], replicas: tuple[ReplicaView, ...]

@@ -97,6 +97,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from lowtide.domain.metrics import ReplicaSignals, ServiceSignals
 from lowtide.domain.services import AutoscaleTargets, ServiceSpec
@@ -191,7 +192,8 @@ def decide_scale(
 
     fresh: list[ReplicaSignals] = [] if signals.source_error else [r for r in signals.replicas if not r.stale]
     n_stale = len(signals.replicas) - len(fresh)
-    per_signal, parts = _signals(spec, fresh)
+    totals = _totals(spec, fresh)
+    per_signal, parts = _signals(spec, totals)
     known = [v for v in per_signal.values() if v is not None]
 
     if not known:
@@ -272,7 +274,7 @@ def decide_scale(
         )
     up = max(stable, panic_ask) if panic_at is not None else stable
     down = max(r for at, r in history if at >= now - t.scale_down_stabilization_s)
-    worth = _worth(spec, fresh)
+    worth = _worth(spec, totals)
     flap_guard = state.flap_guard
     if flap_guard is not None and (
         prev_needed > flap_guard[0] or worth < flap_guard[1] * (1 - t.down_tolerance)
@@ -404,13 +406,29 @@ def _record_step(
 # -- the signals --------------------------------------------------------------------------------
 
 
-def _signals(spec: ServiceSpec, fresh: Sequence[ReplicaSignals]) -> tuple[dict[str, int | None], list[str]]:
+def _totals(spec: ServiceSpec, fresh: Sequence[ReplicaSignals]) -> dict[str, float | None]:
+    """Σ of each configured signal over the fresh replicas (`_total`), worked out once per
+    decision for both `_signals` and `_worth`."""
+    t = spec.autoscale
+    out: dict[str, float | None] = {}
+    if t.concurrency_per_replica is not None:
+        out["concurrency"] = _total(fresh, lambda r: r.concurrency)
+    if t.kv_usage is not None:
+        out["kv"] = _total(fresh, lambda r: r.kv_usage)
+    if t.generation_tokens_per_s_per_replica is not None:
+        out["tokens"] = _total(fresh, lambda r: r.generation_tokens_per_s)
+    return out
+
+
+def _signals(
+    spec: ServiceSpec, totals: Mapping[str, float | None]
+) -> tuple[dict[str, int | None], list[str]]:
     """Replicas each configured signal asks for (None: unknown), with a phrase each."""
     t = spec.autoscale
     per: dict[str, int | None] = {}
     parts: list[str] = []
     if t.concurrency_per_replica is not None:
-        total = _total(fresh, lambda r: r.concurrency)
+        total = totals["concurrency"]
         if total is None:
             per["concurrency"] = None
             parts.append("concurrency unknown")
@@ -420,7 +438,7 @@ def _signals(spec: ServiceSpec, fresh: Sequence[ReplicaSignals]) -> tuple[dict[s
             target = _num(t.concurrency_per_replica)
             parts.append(f"concurrency {_num(total)} over target {target}/replica → {n}")
     if t.kv_usage is not None:
-        total = _total(fresh, lambda r: r.kv_usage)
+        total = totals["kv"]
         if total is None:
             per["kv"] = None
             parts.append("KV unknown")
@@ -433,7 +451,7 @@ def _signals(spec: ServiceSpec, fresh: Sequence[ReplicaSignals]) -> tuple[dict[s
                 f"KV {_num(total)} over target {target}/replica = {_num(worth)} replicas' worth → {n}"
             )
     if t.generation_tokens_per_s_per_replica is not None:
-        total = _total(fresh, lambda r: r.generation_tokens_per_s)
+        total = totals["tokens"]
         per_replica = t.generation_tokens_per_s_per_replica * t.token_utilization
         if total is None:
             per["tokens"] = None
@@ -448,20 +466,20 @@ def _signals(spec: ServiceSpec, fresh: Sequence[ReplicaSignals]) -> tuple[dict[s
     return per, parts
 
 
-def _worth(spec: ServiceSpec, fresh: Sequence[ReplicaSignals]) -> float:
+def _worth(spec: ServiceSpec, totals: Mapping[str, float | None]) -> float:
     """The load in replicas' worth, unrounded: the largest known Σ signal / target (0: none)."""
     t = spec.autoscale
     values = []
     if t.concurrency_per_replica is not None:
-        total = _total(fresh, lambda r: r.concurrency)
+        total = totals["concurrency"]
         if total is not None:
             values.append(total / t.concurrency_per_replica)
     if t.kv_usage is not None:
-        total = _total(fresh, lambda r: r.kv_usage)
+        total = totals["kv"]
         if total is not None:
             values.append(total / t.kv_usage)
     if t.generation_tokens_per_s_per_replica is not None:
-        total = _total(fresh, lambda r: r.generation_tokens_per_s)
+        total = totals["tokens"]
         if total is not None:
             values.append(total / (t.generation_tokens_per_s_per_replica * t.token_utilization))
     return max(values, default=0.0)
@@ -470,9 +488,12 @@ def _worth(spec: ServiceSpec, fresh: Sequence[ReplicaSignals]) -> float:
 def _total(fresh: Sequence[ReplicaSignals], get: Callable[[ReplicaSignals], float | None]) -> float | None:
     """Σ over the fresh replicas, None when there are none or any of them does not know it."""
     values = [get(r) for r in fresh]
-    if not values or any(v is None or not math.isfinite(v) for v in values):
+    if not values or None in values:
         return None
-    return math.fsum(max(v, 0.0) for v in values if v is not None)
+    known = cast(list[float], values)
+    if not all(map(math.isfinite, known)):
+        return None
+    return math.fsum([v if v >= 0.0 else 0.0 for v in known])  # max(v, 0.0), -0.0 kept as max keeps it
 
 
 def _why_unknown(

@@ -15,7 +15,11 @@ Role: everything `control.inference` used to work out between its reads and writ
 Neighbours: `policy.inference_snapshot` (input), `control.inference` (builds the snapshot, books
 the plan in the store, carries it out through the ports, keeps `InferenceMemory` between ticks).
 Must not: read the clock (time is `snapshot.now` or the event's own time), do I/O, call a port,
-or mutate its inputs; the same snapshot always gives the same plan.
+or mutate its inputs; the same snapshot always gives the same plan. Speed (the simulator ticks
+tens of thousands of times on mostly the same inputs): the running steps' GPUs, the busy GPUs,
+the sleeping replicas' GPUs and the GPUs research may not use are kept from the last call
+(`policy.memo.Last`, identity of kept immutable inputs or equality with frozen copies), which
+changes no answer (tests/unit/test_sim_speed_caches.py, benchmarks/simulate_digest.py).
 
 Replica events (anything else, e.g. `healthy` for a SERVING replica, changes nothing):
 
@@ -85,6 +89,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from types import MappingProxyType
 from typing import Protocol
 
 from lowtide.domain.gpus import GpuRef, Node
@@ -101,6 +106,7 @@ from lowtide.policy.autoscale import (
 from lowtide.policy.forecast import WeeklyProfile
 from lowtide.policy.inference_snapshot import InferenceMemory, InferenceSnapshot, ReclaimFact, ServiceRules
 from lowtide.policy.lending import Envelope, ServiceLendingInput, envelope, next_lending_edge
+from lowtide.policy.memo import Last
 from lowtide.policy.reclaim_phases import ReclaimDecision, decide_reclaim
 from lowtide.policy.replicas import (
     ReplicaAction,
@@ -477,10 +483,11 @@ def decide_services(snapshot: InferenceSnapshot) -> ScalePlan:
         elif not any(r.state in _SCRAPED for r in replicas) and not coming_up(spec, replicas):
             fresh_at = now if fresh_at is None else fresh_at
         fresh[name] = fresh_at
+        states = [r.state for r in replicas]
         supply = ReplicaSupply(
-            serving=sum(r.state == R.SERVING for r in replicas),
-            starting=sum(r.state == R.STARTING for r in replicas),
-            waking=sum(r.state == R.WAKING for r in replicas),
+            serving=states.count(R.SERVING),
+            starting=states.count(R.STARTING),
+            waking=states.count(R.WAKING),
         )
         state = scale_states.get(name) or initial_state(spec)
         decision = decide_scale(spec, signals, supply, state, now)
@@ -495,7 +502,7 @@ def decide_services(snapshot: InferenceSnapshot) -> ScalePlan:
             if lending.mode == "forecast":
                 profile = profiles.get(name) or WeeklyProfile.empty(lending.timezone)
                 profiles[name] = profile.observe(now, float(decision.needed))
-        held = sum(len(r.gpus) for r in replicas if r.state in GPU_HOLDING_REPLICA_STATES)
+        held = sum([len(r.gpus) for r in replicas if r.state in GPU_HOLDING_REPLICA_STATES])
         age = None if fresh_at is None else now - fresh_at
         failing = failures_in_a_row(replicas)
         if failing >= FAILURES_BEFORE_ALERT:
@@ -519,20 +526,20 @@ def decide_services(snapshot: InferenceSnapshot) -> ScalePlan:
                 forecast_at=peak[1] if peak else None,
             )
         )
-    pool = sum(n.gpu_count for n in snapshot.nodes)
+    pool = _pool_gpus(snapshot.nodes)
     env = envelope(now=now, pool_gpus=pool, services=inputs, policy=lending, currently_lent_gpus=lent)
     by_id = {r.id: r for r in current}
     views = [
-        _service_view(
-            rules, max(decisions[rules.name].desired, env.claims.get(rules.name, 0)), by_id, snapshot
+        _kept_service_view(
+            rules, max(decisions[rules.name].desired, env.claims.get(rules.name, 0)), current, by_id, snapshot
         )
         for rules in snapshot.services
     ]
     targets = {v.spec.name: v.desired for v in views}
     # Services furthest below their target go first when GPUs are short.
-    views.sort(key=lambda v: -(v.desired - sum(r.state in _UP for r in v.replicas)))
+    views.sort(key=lambda v: -(v.desired - _count_in([r.state for r in v.replicas], _UP)))
     # A hung replica's GPUs stay busy this tick: its process is still being killed.
-    busy = _union(step_gpus, _replica_gpus(snapshot.replicas))
+    busy = _busy(step_gpus, snapshot.replicas)
     plan = plan_replicas_on(views, snapshot.nodes, busy, now)
     if restarts:
         plan = ReplicaPlan((*restarts, *plan.actions), plan.blocked)
@@ -615,12 +622,11 @@ def complete(snapshot: InferenceSnapshot, scale: ScalePlan, replicas: Sequence[R
     the reclaim decision, the GPUs research may not take, and when to decide again."""
     now = snapshot.now
     replicas = tuple(replicas)
-    by_id = {r.id: r for r in replicas}
-    deficits = {
-        v.spec.name: v.desired
-        - sum(by_id[r.id].state in SUPPLY_REPLICA_STATES for r in v.replicas if r.id in by_id)
-        for v in scale.views
-    }
+    get = {r.id: r for r in replicas}.get
+    deficits = {}
+    for v in scale.views:
+        states = [x.state for r in v.replicas if (x := get(r.id)) is not None]
+        deficits[v.spec.name] = v.desired - _count_in(states, SUPPLY_REPLICA_STATES)
     env = scale.envelope
     reclaim = decide_reclaim(
         now=now,
@@ -642,22 +648,18 @@ def complete(snapshot: InferenceSnapshot, scale: ScalePlan, replicas: Sequence[R
     restarting = {a.replica_id for a in scale.replica_plan.actions if a.kind == "restart"}
     if restarting:  # a hung replica's GPUs are not offered while its process is being killed
         busy = _union(busy, _replica_gpus(r for r in snapshot.replicas if r.id in restarting))
-    affinity: dict[str, set[int]] = {}
-    for r in replicas:
-        if r.state == R.PARKED and r.parked_as == "sleep" and r.node:
-            affinity.setdefault(r.node, set()).update(r.gpus)
-    offer = research_offer(
-        snapshot.nodes,
-        busy=busy,
-        affinity=affinity,
-        new_lendable=env.lendable_gpus - scale.lent_gpus,
+    affinity = _affinity(replicas)
+    unavailable = _not_offered(
+        snapshot.nodes, busy, affinity, env.lendable_gpus - scale.lent_gpus, scale.step_gpus
     )
-    memory = replace(scale.memory, surge_at=reclaim.surge_at)
+    memory = scale.memory
+    if reclaim.surge_at != memory.surge_at:
+        memory = replace(memory, surge_at=reclaim.surge_at)
     return InferencePlan(
         scale=scale,
         replicas=replicas,
         reclaim=reclaim,
-        unavailable=_unavailable(snapshot.nodes, scale.step_gpus, offer),
+        unavailable=unavailable,
         next_due=next_due(snapshot, scale, replicas, reclaim, memory),
         follow_up=scale.follow_up,
         memory=memory,
@@ -720,12 +722,11 @@ def failures_in_a_row(replicas: Iterable[ReplicaView]) -> int:
     healthy (0: none). A slot's streak that began before that moment counts whole (an alert a
     little early: the safe side)."""
     replicas = tuple(replicas)
-    healthy_since = max((r.since for r in replicas if r.state == R.SERVING), default=-math.inf)
-    return sum(
-        r.failures
-        for r in replicas
-        if r.state in _FAILING_STATES and r.failures > 0 and r.since > healthy_since
-    )
+    failing = [r for r in replicas if r.failures > 0 and r.state in _FAILING_STATES]
+    if not failing:  # the common case, and nothing to count: no need to look for the healthy
+        return 0
+    healthy_since = max([r.since for r in replicas if r.state == R.SERVING], default=-math.inf)
+    return sum(r.failures for r in failing if r.since > healthy_since)
 
 
 def growth_per_s(history: Sequence[tuple[float, int]]) -> float | None:
@@ -760,6 +761,11 @@ def forecast_peak(
 # -- helpers ------------------------------------------------------------------------------------
 
 
+def _count_in(states: list[ReplicaState | None], wanted: Iterable[ReplicaState]) -> int:
+    """How many of `states` are among `wanted` (distinct states): counted in C, once per state."""
+    return sum(states.count(s) for s in wanted)
+
+
 def _state(replica: ReplicaView) -> ReplicaState:
     if replica.state is None:
         raise ValueError(f"replica {replica.id} has no record")
@@ -779,21 +785,77 @@ def _window(history: tuple[tuple[float, int], ...], since: float) -> tuple[tuple
     return history[start:] if start else history
 
 
+#: The last nodes `_pool_gpus` counted and their GPUs (the loop passes the same tuple each tick).
+_last_pool: Last[tuple[tuple[Node, ...], int]] = Last()
+
+
+def _pool_gpus(nodes: tuple[Node, ...]) -> int:
+    """Every GPU of the pool: counted once per tuple of (frozen) nodes, not once per tick."""
+    last = _last_pool.entry
+    if last is not None and last[0] is nodes:
+        return last[1]
+    count = sum(n.gpu_count for n in nodes)
+    _last_pool.entry = (nodes, count)
+    return count
+
+
+@lru_cache(maxsize=64)
+def _slots(service: str, slots: int) -> tuple[tuple[str, ...], tuple[ReplicaView, ...]]:
+    """The replica ids of a service's slots (`<service>/<slot>`) and their empty views, made
+    once, not every tick."""
+    ids = tuple(f"{service}/{slot}" for slot in range(slots))
+    return ids, tuple(_empty_slot(rid, service, slot) for slot, rid in enumerate(ids))
+
+
+#: Per service: the rules, target, replicas (the very tuple) and in-flight counts (a copy) the last
+#: `_service_view` was built from, and the view (all immutable; at most one entry per service).
+_LAST_VIEWS: dict[str, tuple[ServiceRules, int, tuple[ReplicaView, ...], dict[str, int], ServiceView]] = {}
+
+
+def _kept_service_view(
+    rules: ServiceRules,
+    target: int,
+    current: tuple[ReplicaView, ...],
+    by_id: Mapping[str, ReplicaView],
+    snapshot: InferenceSnapshot,
+) -> ServiceView:
+    """`_service_view`, kept for the same rules, target, tuple of replicas and in-flight counts:
+    the view of every slot is otherwise rebuilt each tick although the replicas rarely change.
+    Not with `drain_from_metrics`, where a draining replica's count comes from this tick's
+    signals."""
+    if rules.drain_from_metrics:
+        return _service_view(rules, target, by_id, snapshot)
+    last = _LAST_VIEWS.get(rules.name)
+    if (
+        last is not None
+        and last[0] is rules
+        and last[1] == target
+        and last[2] is current
+        and last[3] == snapshot.in_flight
+    ):
+        return last[4]
+    view = _service_view(rules, target, by_id, snapshot)
+    if len(_LAST_VIEWS) >= 256:
+        _LAST_VIEWS.clear()
+    _LAST_VIEWS[rules.name] = (rules, target, current, dict(snapshot.in_flight), view)
+    return view
+
+
 def _service_view(
     rules: ServiceRules, target: int, by_id: Mapping[str, ReplicaView], snapshot: InferenceSnapshot
 ) -> ServiceView:
     spec = rules.spec
     slots = []
-    for slot in range(spec.max_replicas):
-        rid = f"{spec.name}/{slot}"
-        r = by_id.get(rid)
+    get, in_flight_of, from_metrics = by_id.get, snapshot.in_flight, rules.drain_from_metrics
+    for rid, empty in zip(*_slots(spec.name, spec.max_replicas), strict=True):
+        r = get(rid)
         if r is None:
-            slots.append(_empty_slot(rid, spec.name, slot))
+            slots.append(empty)
             continue
-        if rules.drain_from_metrics and r.state == R.DRAINING:
+        if from_metrics and r.state == R.DRAINING:
             in_flight = _metrics_in_flight(snapshot.signals.get(spec.name), rid)
         else:
-            in_flight = snapshot.in_flight.get(rid, 0)
+            in_flight = in_flight_of.get(rid, 0)
         slots.append(r if r.in_flight == in_flight else replace(r, in_flight=in_flight))
     return ServiceView(spec, target, tuple(slots), rules.drain_timeout_s)
 
@@ -811,9 +873,61 @@ def _empty_slot(rid: str, service: str, slot: int) -> ReplicaView:
     return ReplicaView(rid, service, slot, None)
 
 
-def _step_gpus(running: Iterable[RunningStep]) -> tuple[dict[str, set[int]], int, int]:
-    """The running steps' GPU indices per node, how many GPUs that is, and how many of them
-    steps without notice hold."""
+_StepGpus = tuple[Mapping[str, frozenset[int]], int, int]
+#: The last `_step_gpus` and `_busy`, with the very inputs they were computed from (kept, so that
+#: their identities cannot be reused by other objects); replaced whole, never mutated.
+_last_steps: Last[tuple[tuple[RunningStep, ...], _StepGpus]] = Last()
+_last_busy: Last[tuple[Mapping[str, frozenset[int]], tuple[ReplicaView, ...], Mapping[str, Set[int]]]] = (
+    Last()
+)
+
+
+def _step_gpus(running: tuple[RunningStep, ...]) -> _StepGpus:
+    """The running steps' GPU indices per node (read-only), how many GPUs that is, and how many
+    of them steps without notice hold. The store hands back the same tuple of (frozen) running
+    steps while none starts or ends, so the last answer is kept for that very tuple."""
+    last = _last_steps.entry
+    if last is not None and last[0] is running:
+        return last[1]
+    held, lent, active = _count_step_gpus(running)
+    result = (MappingProxyType({node: frozenset(v) for node, v in held.items()}), lent, active)
+    _last_steps.entry = (running, result)
+    return result
+
+
+def _busy(
+    step_gpus: Mapping[str, frozenset[int]], replicas: tuple[ReplicaView, ...]
+) -> Mapping[str, Set[int]]:
+    """GPU indices per node steps or replicas hold (read-only); kept for the same step GPUs and
+    the same tuple of (frozen) replicas, which `_step_gpus` and the controller's read of the
+    replicas hand back unchanged tick after tick."""
+    last = _last_busy.entry
+    if last is not None and last[0] is step_gpus and last[1] is replicas:
+        return last[2]
+    busy = MappingProxyType(_union(step_gpus, _replica_gpus(replicas)))
+    _last_busy.entry = (step_gpus, replicas, busy)
+    return busy
+
+
+_last_affinity: Last[tuple[tuple[ReplicaView, ...], Mapping[str, frozenset[int]]]] = Last()
+
+
+def _affinity(replicas: tuple[ReplicaView, ...]) -> Mapping[str, frozenset[int]]:
+    """The GPU indices per node sleeping replicas will want back (read-only); kept for the same
+    tuple of (frozen) replicas, as `_busy` is."""
+    last = _last_affinity.entry
+    if last is not None and last[0] is replicas:
+        return last[1]
+    found: dict[str, set[int]] = {}
+    for r in replicas:
+        if r.state == R.PARKED and r.parked_as == "sleep" and r.node:
+            found.setdefault(r.node, set()).update(r.gpus)
+    affinity = MappingProxyType({node: frozenset(v) for node, v in found.items()})
+    _last_affinity.entry = (replicas, affinity)
+    return affinity
+
+
+def _count_step_gpus(running: Iterable[RunningStep]) -> tuple[dict[str, set[int]], int, int]:
     held: dict[str, set[int]] = {}
     active = 0
     for s in running:
@@ -845,24 +959,100 @@ def _union(a: Mapping[str, Set[int]], b: Mapping[str, Set[int]]) -> dict[str, Se
     return out
 
 
+_Frozen = dict[str, frozenset[int]]
+#: The inputs and result of the last `_not_offered` (see there); replaced whole, never mutated.
+_last_offer: Last[tuple[tuple[Node, ...], int, _Frozen, _Frozen, _Frozen, frozenset[GpuRef]]] = Last()
+
+
+def _not_offered(
+    nodes: tuple[Node, ...],
+    busy: Mapping[str, Set[int]],
+    affinity: Mapping[str, Set[int]],
+    new_lendable: int,
+    steps: Mapping[str, Set[int]],
+) -> frozenset[GpuRef]:
+    """`_unavailable` of the `research_offer`: the GPUs the step scheduler must not use.
+
+    A pure function of its arguments, which are mostly equal tick after tick (the pool changes
+    hands far less often than the loop ticks): the last inputs are kept as frozen copies with
+    the result, and equal inputs (compared by value, in C) give that result again instead of a
+    pass over every node and GPU."""
+    last = _last_offer.entry
+    if (
+        last is not None
+        and (last[0] is nodes or last[0] == nodes)
+        and last[1] == new_lendable
+        and last[2] == busy
+        and last[3] == affinity
+        and last[4] == steps
+    ):
+        return last[5]
+    result = _all_offered(nodes, busy, new_lendable, steps)
+    if result is None:
+        offer = research_offer(nodes, busy=busy, affinity=affinity, new_lendable=new_lendable)
+        result = _unavailable(nodes, steps, offer)
+    _last_offer.entry = (nodes, new_lendable, _frozen(busy), _frozen(affinity), _frozen(steps), result)
+    return result
+
+
+def _all_offered(
+    nodes: tuple[Node, ...], busy: Mapping[str, Set[int]], new_lendable: int, steps: Mapping[str, Set[int]]
+) -> frozenset[GpuRef] | None:
+    """`_unavailable` of the `research_offer` in the common case where research is offered every
+    idle GPU (`new_lendable` at least the idle count, so order and affinity choose nothing): then
+    the GPUs research may not use are those busy but not held by a step. None otherwise."""
+    if new_lendable <= 0:
+        return None
+    key: list[tuple[str, tuple[int, ...]]] = []
+    idle = 0
+    for n in nodes:
+        held = busy.get(n.name)
+        if not held:
+            idle += len(n.gpus)
+            key.append((n.name, ()))
+            continue
+        mine = steps.get(n.name) or ()
+        taken = [i for i in n.gpus if i in held]
+        idle += len(n.gpus) - len(taken)
+        key.append((n.name, tuple([i for i in taken if i not in mine]) if mine else tuple(taken)))
+    if idle > new_lendable:
+        return None
+    return _gpu_set(tuple(key))
+
+
+def _frozen(index: Mapping[str, Set[int]]) -> _Frozen:
+    return {node: frozenset(indices) for node, indices in index.items()}
+
+
 def _unavailable(
     nodes: tuple[Node, ...], steps: Mapping[str, Set[int]], offer: Mapping[str, list[int]]
 ) -> frozenset[GpuRef]:
     """Every GPU of the pool that no step holds and research is not offered."""
     key = []
     for n in nodes:
-        held = steps.get(n.name)
-        offered = offer.get(n.name)
-        if held or offered:
-            out = {*(held or ()), *(offered or ())}
-            key.append((n.name, tuple(i for i in n.gpus if i not in out)))
+        name = n.name
+        held = steps.get(name)
+        offered = offer.get(name)
+        if held:
+            out: Set[int] | list[int] = {*held, *offered} if offered else held
+        elif offered:
+            out = offered
         else:
-            key.append((n.name, n.gpus))
+            key.append((name, n.gpus))
+            continue
+        key.append((name, tuple([i for i in n.gpus if i not in out])))
     return _gpu_set(tuple(key))
 
 
 @lru_cache(maxsize=64)
 def _gpu_set(key: tuple[tuple[str, tuple[int, ...]], ...]) -> frozenset[GpuRef]:
     """The GPUs named by (node, indices) pairs; the same set is often asked for tick after tick
-    (the pool changes hands far less often than the loop ticks), so it is built once."""
-    return frozenset(GpuRef(node, i) for node, indices in key for i in indices)
+    (the pool changes hands far less often than the loop ticks), so it is built once. A new
+    set is the union of each node's (`_node_gpu_set`): a set union reuses the hashes the parts
+    already hold, where building from `GpuRef`s would hash each of them again."""
+    return frozenset().union(*[_node_gpu_set(node, indices) for node, indices in key])
+
+
+@lru_cache(maxsize=8192)
+def _node_gpu_set(node: str, indices: tuple[int, ...]) -> frozenset[GpuRef]:
+    return frozenset(GpuRef(node, i) for i in indices)

@@ -48,6 +48,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta
+from functools import lru_cache
+from types import MappingProxyType
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from lowtide.domain.gpus import GpuRef, Node
@@ -366,18 +368,46 @@ def gpu_shares(
     what each still holds and the memory left for a step (`Node.gpu_memory_gib` − residual, at
     least 0; None where the node's GPU memory is unknown). docs/architecture.md §4.2."""
     memory = {n.name: n.gpu_memory_gib for n in nodes}
-    reserved: dict[GpuRef, float] = {}
-    for node, indices, residual in sleeping:
+    entries = list(sleeping)
+    # The common case: no GPU under two sleeping replicas. Then each GPU's share is its replica's
+    # own, and each replica's shares are made once (`_replica_shares`) and only copied here.
+    out: dict[GpuRef, GpuShare] = {}
+    count = 0
+    for node, indices, residual in entries:
+        if residual > 0:
+            mine = tuple(indices)
+            count += len(mine)
+            out.update(_replica_shares(node, mine, residual, memory.get(node)))
+    if len(out) == count:
+        return out
+    refs = {n.name: dict(zip(n.gpus, n.refs(), strict=True)) for n in nodes}  # built once per node
+    reserved: dict[tuple[str, int], float] = {}
+    for node, indices, residual in entries:
         if residual <= 0:
             continue
         for i in indices:
-            ref = GpuRef(node, i)
-            reserved[ref] = reserved.get(ref, 0.0) + residual
+            key = (node, i)
+            reserved[key] = reserved.get(key, 0.0) + residual
     out = {}
-    for ref, held in reserved.items():
-        total = memory.get(ref.node)
-        out[ref] = GpuShare(held, None if total is None else max(0.0, total - held))
+    made: dict[tuple[float, float | None], GpuShare] = {}  # most GPUs hold the same share
+    for (node, i), held in reserved.items():
+        total = memory.get(node)
+        share = made.get((held, total))
+        if share is None:
+            share = made[held, total] = GpuShare(held, None if total is None else max(0.0, total - held))
+        ref = refs.get(node, {}).get(i)
+        out[ref if ref is not None else GpuRef(node, i)] = share
     return out
+
+
+@lru_cache(maxsize=4096)
+def _replica_shares(
+    node: str, indices: tuple[int, ...], residual: float, total: float | None
+) -> Mapping[GpuRef, GpuShare]:
+    """One sleeping replica's GPUs and the share each holds (`gpu_shares` with that replica
+    alone); the same replica sleeps on the same GPUs tick after tick. Read-only."""
+    share = GpuShare(residual, None if total is None else max(0.0, total - residual))
+    return MappingProxyType({GpuRef(node, i): share for i in indices})
 
 
 def step_gpu_share(shares: Mapping[GpuRef, GpuShare], node: str, gpus: Iterable[int]) -> GpuShare | None:

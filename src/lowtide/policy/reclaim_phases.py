@@ -213,12 +213,15 @@ def decide_reclaim(
     )
 
 
+_COMING_UP = frozenset({R.STARTING, R.WAKING})
+
+
 def coming_up(replicas: Sequence[ReplicaView]) -> str | None:
     """The service with the most replicas starting or waking (ties: name), or None: when lending
     shrinks with no deficit left, the GPUs come back for the service whose claim grew this way."""
     counts: dict[str, int] = {}
     for r in replicas:
-        if r.state in (R.STARTING, R.WAKING):
+        if r.state in _COMING_UP:
             counts[r.service] = counts.get(r.service, 0) + 1
     return max(counts, key=lambda s: (counts[s], s), default=None)
 

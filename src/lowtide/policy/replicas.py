@@ -21,7 +21,9 @@ Per service, given the desired replica count (from `policy.autoscale`):
 Research GPUs (`research_gpus`): the envelope says how many GPUs may be lent; lowtide offers that
 many free GPUs, preferring GPUs no sleeping replica will want back, then whole nodes.
 `plan_replicas_on` and `research_offer` are the same rules over GPU indices per node (what the
-inference decision keeps each tick: no `GpuRef` is built or hashed per GPU of the pool).
+inference decision keeps each tick: no `GpuRef` is built or hashed per GPU of the pool). The free
+GPUs and the host RAM of sleeping replicas are worked out only when a service brings a replica
+up or parks one (`_Pool`): most ticks do neither.
 Neighbours: `policy.inference` builds the views from the inference snapshot and calls both each
 tick; `control.inference` applies the plan. Must not: read the clock (`now` is passed), do I/O,
 or decide how many replicas a service needs (autoscale does).
@@ -31,11 +33,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 from lowtide.domain.gpus import GpuRef, Node
 from lowtide.domain.services import ParkMode, ServiceSpec
 from lowtide.domain.states import SUPPLY_REPLICA_STATES, ReplicaState
+from lowtide.policy.memo import Last
 
 R = ReplicaState
 ActionKind = Literal["start", "wake", "drain", "undrain", "park", "restart"]
@@ -112,18 +116,39 @@ def plan_replicas_on(
     services: Iterable[ServiceView], nodes: tuple[Node, ...], busy: GpuIndex, now: float
 ) -> ReplicaPlan:
     """`plan_replicas` with the busy GPUs given as indices per node."""
-    free: dict[str, list[int]] = {}
-    for n in nodes:
-        held = busy.get(n.name)
-        free[n.name] = [i for i in n.gpus if i not in held] if held else list(n.gpus)
     actions: list[ReplicaAction] = []
     blocked: list[Blocked] = []
     services = tuple(services)
-    budgets = {n.name: n.sleep_host_ram_gib for n in nodes}
-    host_ram = sleeping_host_ram(services, budgets)
+    pool = _Pool(services, nodes, busy)
     for svc in services:
-        _plan_service(svc, free, nodes, now, actions, blocked, host_ram, budgets)
+        _plan_service(svc, pool, nodes, now, actions, blocked)
     return ReplicaPlan(tuple(actions), tuple(blocked))
+
+
+class _Pool:
+    """The working state of one plan, each part worked out from the plan's inputs the first time
+    a service needs it: most ticks bring nothing up and park nothing, and need none of it."""
+
+    def __init__(self, services: tuple[ServiceView, ...], nodes: tuple[Node, ...], busy: GpuIndex) -> None:
+        self._services, self._nodes, self._busy = services, nodes, busy
+
+    @cached_property
+    def free(self) -> dict[str, list[int]]:
+        """Free GPU indices per node; starts and wakes take from it as the plan goes."""
+        free: dict[str, list[int]] = {}
+        for n in self._nodes:
+            held = self._busy.get(n.name)
+            free[n.name] = [i for i in n.gpus if i not in held] if held else list(n.gpus)
+        return free
+
+    @cached_property
+    def budgets(self) -> dict[str, float | None]:
+        return {n.name: n.sleep_host_ram_gib for n in self._nodes}
+
+    @cached_property
+    def host_ram(self) -> dict[str, float]:
+        """`sleeping_host_ram` before the plan; parks by sleep add to it as the plan goes."""
+        return sleeping_host_ram(self._services, self.budgets)
 
 
 def sleeping_host_ram(
@@ -138,13 +163,16 @@ def sleeping_host_ram(
         if spec.park != "sleep":
             continue
         for r in svc.replicas:
-            asleep = r.state == R.PARKED and r.parked_as == "sleep"
-            if r.node is None or not (asleep or r.state == R.PARKING):
+            state = r.state
+            if not (state == R.PARKING or (state == R.PARKED and r.parked_as == "sleep")):
+                continue
+            node = r.node
+            if node is None:
                 continue
             gib = spec.sleep_host_gib
             if gib is None:
-                gib = budgets.get(r.node) or 0.0
-            used[r.node] = used.get(r.node, 0.0) + gib
+                gib = budgets.get(node) or 0.0
+            used[node] = used.get(node, 0.0) + gib
     return used
 
 
@@ -174,13 +202,11 @@ def choose_park(spec: ServiceSpec, budget_gib: float | None, used_gib: float) ->
 
 def _plan_service(
     svc: ServiceView,
-    free: dict[str, list[int]],
+    pool: _Pool,
     nodes: tuple[Node, ...],
     now: float,
     actions: list[ReplicaAction],
     blocked: list[Blocked],
-    host_ram: dict[str, float],
-    budgets: Mapping[str, float | None],
 ) -> None:
     spec = svc.spec
     supply = [r for r in svc.replicas if r.state in SUPPLY_REPLICA_STATES]
@@ -195,6 +221,7 @@ def _plan_service(
             if r.in_flight == 0 or now - r.since >= svc.drain_timeout_s:
                 why = "drained" if r.in_flight == 0 else f"drain timeout ({r.in_flight} still in flight)"
                 node = r.node or ""
+                budgets, host_ram = pool.budgets, pool.host_ram
                 mode, how = choose_park(spec, budgets.get(node), host_ram.get(node, 0.0))
                 if mode == "sleep" and spec.sleep_level == 1:
                     held = spec.sleep_host_gib or budgets.get(node) or 0.0
@@ -210,7 +237,7 @@ def _plan_service(
             )
             missing -= 1
     if missing > 0:
-        missing = _bring_up(svc, missing, free, nodes, now, actions, blocked)
+        missing = _bring_up(svc, missing, pool.free, nodes, now, actions, blocked)
     elif missing < 0:
         serving = sorted(
             (r for r in svc.replicas if r.state == R.SERVING), key=lambda r: (r.in_flight, -r.slot)
@@ -328,16 +355,23 @@ def research_offer(
     if new_lendable <= 0:
         return {}
     rows: list[tuple[int, str, list[int], list[int]]] = []  # (−free count, node, plain, affine)
+    ascending = _ascending(nodes)  # then the idle GPUs, kept in node order, are sorted already
     for n in nodes:
-        held = busy.get(n.name)
+        name = n.name
+        held = busy.get(name)
         idle = [i for i in n.gpus if i not in held] if held else list(n.gpus)
         if not idle:
             continue
-        wanted = affinity.get(n.name) or frozenset()
-        plain = sorted(i for i in idle if i not in wanted)
-        affine = sorted(i for i in idle if i in wanted)
-        rows.append((-len(idle), n.name, plain, affine))
-    rows.sort(key=lambda row: (row[0], row[1]))
+        if not ascending:
+            idle.sort()
+        wanted = affinity.get(name)
+        if wanted:
+            plain = [i for i in idle if i not in wanted]
+            affine = [i for i in idle if i in wanted]
+        else:  # the common case: no sleeping replica here, every idle GPU is plain
+            plain, affine = idle, []
+        rows.append((-len(idle), name, plain, affine))
+    rows.sort()  # (−free count, node): node names are unique, so the lists are never compared
     offer: dict[str, list[int]] = {}
     left = new_lendable
     for affine_pass in (False, True):  # plain GPUs of every node first, then those a replica wants
@@ -349,6 +383,20 @@ def research_offer(
                 if left <= 0:
                     return offer
     return offer
+
+
+#: The last nodes `_ascending` looked at, and its answer (the loop passes the same tuple each tick).
+_last_ascending: Last[tuple[tuple[Node, ...], bool]] = Last()
+
+
+def _ascending(nodes: tuple[Node, ...]) -> bool:
+    """Whether every node lists its GPU indices in ascending order (answered once per tuple)."""
+    last = _last_ascending.entry
+    if last is not None and last[0] is nodes:
+        return last[1]
+    answer = all(list(n.gpus) == sorted(n.gpus) for n in nodes)
+    _last_ascending.entry = (nodes, answer)
+    return answer
 
 
 def by_node(refs: Iterable[GpuRef]) -> dict[str, set[int]]:

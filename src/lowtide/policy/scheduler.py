@@ -74,6 +74,7 @@ import heapq
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from operator import attrgetter
 
 from lowtide.policy.fairshare import FairSharePolicy, TeamShares
@@ -173,15 +174,9 @@ class _Decision:
         self._max_cpu_per_node = policy.max_cpu_steps_per_node
         self._max_cpu_per_user = policy.max_cpu_steps_per_user
         self._quotas = policy.team_quotas
-        self._cpu_nodes = sorted(node.name for node in snapshot.nodes)
         self._cpu_node_pos = 0  # nodes before it are at their CPU-only limit (counts only grow)
         self._cpu_full_reason: str | None = None  # why CPU-only steps wait once every node is full
-        self._cpu_by_node, self._cpu_by_owner = snapshot.cpu_steps_running()
-        self._free = FreeGpus.from_snapshot(snapshot)
-        self._shares = TeamShares.from_snapshot(snapshot, policy.fair_share)
-        self._cpu_node = min((node.name for node in snapshot.nodes), default=None)
-        self._largest_node = max((node.gpu_count for node in snapshot.nodes), default=0)
-        self._node_size = {node.name: node.gpu_count for node in snapshot.nodes}
+        self._fair_share = policy.fair_share
         self._starts: list[StartStep] = []
         self._waiting: list[Waiting] = []
         self._reservations: list[Reservation] = []
@@ -194,18 +189,59 @@ class _Decision:
         # Free GPUs only shrink during a decision, so a need that failed once fails again.
         self._smallest_unplaceable = math.inf
 
+    # What follows is built on first use: a tick with no step ready to start (the queue empty,
+    # or every step backing off) needs none of it, and it costs O(running steps) or O(nodes).
+
+    @cached_property
+    def _cpu_nodes(self) -> list[str]:
+        return sorted(node.name for node in self._snapshot.nodes)
+
+    @cached_property
+    def _cpu_node(self) -> str | None:
+        return min((node.name for node in self._snapshot.nodes), default=None)
+
+    @cached_property
+    def _largest_node(self) -> int:
+        return max((node.gpu_count for node in self._snapshot.nodes), default=0)
+
+    @cached_property
+    def _node_size(self) -> dict[str, int]:
+        return {node.name: node.gpu_count for node in self._snapshot.nodes}
+
+    @cached_property
+    def _cpu_running(self) -> tuple[dict[str, int], dict[str, int]]:
+        return self._snapshot.cpu_steps_running()  # counted up as CPU-only steps start
+
+    @property
+    def _cpu_by_node(self) -> dict[str, int]:
+        return self._cpu_running[0]
+
+    @property
+    def _cpu_by_owner(self) -> dict[str, int]:
+        return self._cpu_running[1]
+
+    @cached_property
+    def _free(self) -> FreeGpus:
+        return FreeGpus.from_snapshot(self._snapshot)
+
+    @cached_property
+    def _shares(self) -> TeamShares:
+        return TeamShares.from_snapshot(self._snapshot, self._fair_share)
+
     def run(self) -> SchedulePlan:
         now = self._snapshot.now
         ready = [step for step in self._snapshot.queued if step.eligible_at <= now]
         backing_off = [step for step in self._snapshot.queued if step.eligible_at > now]
         borrowing: list[QueuedStep] = []
-        for step in in_queue_order(ready, self._shares):
-            if self._quotas and self._borrows(step):
-                borrowing.append(step)
-            else:
-                self._consider(step)
-        for step in in_queue_order(borrowing, self._shares):
-            self._consider_borrowing(step)
+        if ready:
+            for step in in_queue_order(ready, self._shares):
+                if self._quotas and self._borrows(step):
+                    borrowing.append(step)
+                else:
+                    self._consider(step)
+        if borrowing:
+            for step in in_queue_order(borrowing, self._shares):
+                self._consider_borrowing(step)
         for step in sorted(backing_off, key=lambda s: (s.eligible_at, _fifo_key(s))):
             self._waiting.append(Waiting(step.job_id, step.step, backoff_reason(step, now)))
         return SchedulePlan(

@@ -79,7 +79,7 @@ per replica.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from lowtide.domain.metrics import ReplicaSignals, ServiceSignals
@@ -541,21 +541,36 @@ def replica_signals(load: ModelledLoad, replica_id: str, now: float) -> ReplicaS
     the modelled quantiles, capped at vLLM's largest finite bucket (as ``histogram_quantile``
     answers) and None when nothing completes (no observation in the window). TTFT and e2e p99
     and e2e p50 are not modelled: None."""
+    return _signals_of(load, now)(replica_id)
+
+
+def _signals_of(load: ModelledLoad, now: float) -> Callable[[str], ReplicaSignals]:
+    """`replica_signals` of `load` at `now` for any replica id: every serving replica reports the
+    same figures, so they are worked out once per service and tick, not once per replica."""
     observed = load.requests_per_s > 0
-    return ReplicaSignals(
-        replica=replica_id,
-        at=now,
-        running=load.running,
-        waiting=load.waiting,
-        kv_usage=load.kv_usage,
-        kv_tokens_used=load.kv_tokens,
-        prompt_tokens_per_s=load.prompt_tokens_per_s,
-        generation_tokens_per_s=load.generation_tokens_per_s,
-        requests_per_s=load.requests_per_s,
-        ttft_p50_s=min(load.ttft_p50_s, TTFT_SIGNAL_MAX_S) if observed else None,
-        ttft_p90_s=min(load.ttft_p90_s, TTFT_SIGNAL_MAX_S) if observed else None,
-        e2e_p90_s=min(load.e2e_p90_s, E2E_SIGNAL_MAX_S) if observed else None,
-    )
+    running, waiting, kv_usage, kv_tokens = load.running, load.waiting, load.kv_usage, load.kv_tokens
+    prompt, generation, requests = load.prompt_tokens_per_s, load.generation_tokens_per_s, load.requests_per_s
+    ttft_p50 = min(load.ttft_p50_s, TTFT_SIGNAL_MAX_S) if observed else None
+    ttft_p90 = min(load.ttft_p90_s, TTFT_SIGNAL_MAX_S) if observed else None
+    e2e_p90 = min(load.e2e_p90_s, E2E_SIGNAL_MAX_S) if observed else None
+
+    def make(replica_id: str) -> ReplicaSignals:
+        return ReplicaSignals(
+            replica=replica_id,
+            at=now,
+            running=running,
+            waiting=waiting,
+            kv_usage=kv_usage,
+            kv_tokens_used=kv_tokens,
+            prompt_tokens_per_s=prompt,
+            generation_tokens_per_s=generation,
+            requests_per_s=requests,
+            ttft_p50_s=ttft_p50,
+            ttft_p90_s=ttft_p90,
+            e2e_p90_s=e2e_p90,
+        )
+
+    return make
 
 
 def service_signals(
@@ -568,6 +583,5 @@ def service_signals(
         raise ValueError(
             f"{service}: {len(replica_ids)} replica ids for a load computed over {load.replicas} replicas"
         )
-    return ServiceSignals(
-        service=service, at=now, replicas=tuple(replica_signals(load, r, now) for r in replica_ids)
-    )
+    make = _signals_of(load, now)
+    return ServiceSignals(service=service, at=now, replicas=tuple([make(r) for r in replica_ids]))

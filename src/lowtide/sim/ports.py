@@ -34,7 +34,13 @@ from lowtide.control.inference_ports import ReplicaEvent, ReplicaLaunch
 from lowtide.control.ports import PathStat
 from lowtide.domain.metrics import ServiceSignals
 from lowtide.domain.services import ParkMode
-from lowtide.sim.capacity import ReplicaCapacity, ServiceLoadState, current_load, service_signals
+from lowtide.sim.capacity import (
+    ModelledLoad,
+    ReplicaCapacity,
+    ServiceLoadState,
+    current_load,
+    service_signals,
+)
 from lowtide.sim.load import LoadCurve
 
 #: Exit code of a step that checkpointed and left on notice (128 + SIGTERM, as shells report it).
@@ -164,8 +170,8 @@ class SimExecutor:
             return out  # the common case: no attempt has anything new yet
         quiet = math.inf
         for aid, att in self.running.items():
-            if att.notice_ckpt is None and att.next_checkpoint_at() > now:
-                quiet = min(quiet, att.next_checkpoint_at())
+            if att.notice_ckpt is None and (periodic_at := att.next_checkpoint_at()) > now:
+                quiet = min(quiet, periodic_at)
                 continue  # nothing new since the last report
             when_progress: tuple[float, float] | None = None
             if att.notice_ckpt is not None and att.notice_ckpt[0] <= now:
@@ -239,34 +245,54 @@ class SimServiceManager:
     replicas: dict[str, _Replica] = field(default_factory=dict)
     cold_starts: int = 0
     wakes: int = 0
+    # The earliest phase change due (inf: none; None: not known since the last poll that changed
+    # a replica), kept so that a tick with nothing due neither sorts nor scans the replicas.
+    _earliest: float | None = field(default=math.inf, init=False, repr=False)
 
     def _times(self, replica_id: str) -> ReplicaTimes:
         return self.times[replica_id.rsplit("/", 1)[0]]
 
+    def _set(self, replica_id: str, replica: _Replica) -> None:
+        old = self.replicas.get(replica_id)
+        self.replicas[replica_id] = replica
+        if old is not None and old.due is not None and old.due == self._earliest:
+            self._earliest = None  # the earliest may have been the one replaced: not known now
+        elif self._earliest is not None and replica.due is not None:
+            self._earliest = min(self._earliest, replica.due)
+
+    def _soonest(self) -> float:
+        if self._earliest is None:
+            self._earliest = min(
+                (r.due for r in self.replicas.values() if r.due is not None), default=math.inf
+            )
+        return self._earliest
+
     def start(self, launch: ReplicaLaunch, now: float) -> None:
-        self.replicas[launch.replica_id] = _Replica(
-            "starting", now + self._times(launch.replica_id).startup_s
-        )
+        self._set(launch.replica_id, _Replica("starting", now + self._times(launch.replica_id).startup_s))
         self.cold_starts += 1
 
     def park(self, replica_id: str, mode: ParkMode, now: float) -> None:
         t = self._times(replica_id)
-        self.replicas[replica_id] = _Replica(
-            f"parking-{mode}", now + (t.park_sleep_s if mode == "sleep" else t.park_stop_s)
+        self._set(
+            replica_id,
+            _Replica(f"parking-{mode}", now + (t.park_sleep_s if mode == "sleep" else t.park_stop_s)),
         )
 
     def unpark(self, replica_id: str, now: float) -> None:
         rep = self.replicas.get(replica_id)
         t = self._times(replica_id)
         if rep is not None and rep.phase == "asleep":
-            self.replicas[replica_id] = _Replica("waking", now + t.wake_s)
+            self._set(replica_id, _Replica("waking", now + t.wake_s))
             self.wakes += 1
         else:
-            self.replicas[replica_id] = _Replica("starting", now + t.startup_s)
+            self._set(replica_id, _Replica("starting", now + t.startup_s))
             self.cold_starts += 1
 
     def poll(self, now: float) -> list[ReplicaEvent]:
         events: list[ReplicaEvent] = []
+        if self._soonest() > now:
+            return events  # nothing due yet: the common tick
+        self._earliest = None  # what is left due is worked out again when asked
         for rid, rep in sorted(self.replicas.items()):
             if rep.due is None or rep.due > now:
                 continue
@@ -282,7 +308,8 @@ class SimServiceManager:
         return events
 
     def next_event(self) -> float | None:
-        return min((r.due for r in self.replicas.values() if r.due is not None), default=None)
+        soonest = self._soonest()
+        return None if soonest == math.inf else soonest
 
     def url(self, replica_id: str) -> str | None:
         return f"sim://{replica_id}" if replica_id in self.replicas else None
@@ -307,9 +334,20 @@ class SimMetrics:
     capacity: ReplicaCapacity
     start: float
     state: ServiceLoadState = field(default_factory=ServiceLoadState)
+    # The last `current_load` and what it was computed from (capacity, state, rate, replicas): a
+    # pure function of these frozen values, which stay the same over most ticks.
+    _last: tuple[ReplicaCapacity, ServiceLoadState, float, int, ModelledLoad] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def collect(self, service: str, replicas: Mapping[str, str], now: float) -> ServiceSignals:
-        load = current_load(self.state, self.capacity, self.curve.rate_at(now - self.start), len(replicas))
+        rate, n = self.curve.rate_at(now - self.start), len(replicas)
+        last = self._last
+        if last is not None and last[0] is self.capacity and last[1] == self.state and last[2:4] == (rate, n):
+            load = last[4]
+        else:
+            load = current_load(self.state, self.capacity, rate, n)
+            self._last = (self.capacity, self.state, rate, n, load)
         return service_signals(service, load, tuple(sorted(replicas)), now)
 
 
