@@ -7,8 +7,9 @@ Argo controller (`workflow/controller/operator.go`, `workflowpod.go`, `workflow/
 - A Workflow gets a DAG node named after it; each DAG task whose dependencies' nodes Succeeded
   gets a `Retry` node `<wf>.<task>` (id `Workflow.NodeID`) and Pod children `<wf>.<task>(N)`.
 - A child's pod is named `<wf>-<template>-<fnv32a(node name)>` (v2 names), labelled with the
-  template's and `spec.podMetadata` labels (`{{=asInt(retries) + 1}}` resolved to N + 1, as
-  Argo substitutes the template per retry), `workflows.argoproj.io/workflow`, annotated with
+  template's and `spec.podMetadata` labels (an expression template such as
+  `{{=asInt(retries) + 1}}` evaluated with `retries` = N by `adapters.argo.expr`, as Argo
+  substitutes the template per retry; env values too), `workflows.argoproj.io/workflow`, annotated with
   `workflows.argoproj.io/node-id`/`node-name`; its spec is the template's container, volumes
   and priority class with `podSpecPatch` merged (the admission gate, the grace period).
 - Node phase follows the pod (`assessNodeStatus`): Pending (message `<Reason>: <message>` of a
@@ -59,9 +60,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from k8sfake import FakeCluster
-from lowtide.adapters.argo.expr import evaluate_retry_expression
+from lowtide.adapters.argo.expr import evaluate_retry_expression, evaluate_template_expression
 from lowtide.adapters.argo.pods import HOSTNAME_LABEL, argo_node_id, argo_pod_name
-from lowtide.adapters.argo.workflow import ATTEMPT_VALUE, LABEL_JOB, RESULT_COMPLETED, RESULT_PARAMETER
+from lowtide.adapters.argo.workflow import LABEL_JOB, RESULT_COMPLETED, RESULT_PARAMETER
 
 Obj = dict[str, Any]
 _TERMINAL = ("Succeeded", "Failed", "Error", "Skipped", "Omitted")
@@ -117,6 +118,9 @@ class ArgoSim:
     _results: dict[str, str] = field(default_factory=dict)  # pod uid -> result file content
     _doomed: list[str] = field(default_factory=list)  # pods to remove at the next step
     _signalled: set[str] = field(default_factory=set)  # pod uids Argo sent SIGTERM (shutdown)
+    #: Called at the end of each `step`: a reader's watch cache catches up with what it wrote
+    #: (`argo_world.settle`), as a real control loop's next poll a second later would see it.
+    settle: Callable[[], None] | None = None
 
     def script(self, workflow: str, task: str, *scripts: Script) -> None:
         self.scripts[(workflow, task)] = list(scripts)
@@ -126,6 +130,8 @@ class ArgoSim:
         self._kubelet_round()
         for wf in self.cluster.list("workflows", self.namespace):
             self._reconcile(wf)
+        if self.settle is not None:
+            self.settle()
 
     # -- kubelet ---------------------------------------------------------------------------
 
@@ -463,10 +469,12 @@ class ArgoSim:
 
     def _create_pod(self, wf: Obj, child: Obj, template: Obj) -> None:
         wf_name = wf["metadata"]["name"]
-        attempt = str(int(child["name"].rsplit("(", 1)[1].rstrip(")")) + 1)
+        retries = str(int(child["name"].rsplit("(", 1)[1].rstrip(")")))
 
         def resolve(value: Any) -> Any:
-            return attempt if value == ATTEMPT_VALUE else value
+            if isinstance(value, str) and value.startswith("{{="):
+                return evaluate_template_expression(value, {"retries": retries})
+            return value
 
         labels = {
             **((wf["spec"].get("podMetadata") or {}).get("labels") or {}),
@@ -486,7 +494,7 @@ class ArgoSim:
             spec["priorityClassName"] = template["priorityClassName"]
         if template.get("podSpecPatch"):
             spec.update(json.loads(template["podSpecPatch"]))
-        pod = {
+        pod: Obj = {
             "apiVersion": "v1",
             "kind": "Pod",
             "metadata": {

@@ -72,6 +72,8 @@ class RequestRecord:
     namespace: str
     name: str
     code: int
+    #: The API group ("" for core): "events" is served by core/v1 and events.k8s.io/v1.
+    group: str = ""
 
 
 @dataclass
@@ -213,6 +215,7 @@ class FakeApiServer:
                         target.namespace,
                         target.name,
                         response.status_code,
+                        target.kind.group,
                     )
                 )
         return response

@@ -1,12 +1,14 @@
 """The chart's rendered RBAC enforced by the fake API server: enough for lowtide, nothing more.
 
-Requirements from the cluster-mode issue (least privilege): workflows create/get/list/watch/
-patch/delete; pods get/list/watch/patch/delete; pods/log get; the step tokens' Secrets create/
-patch (never get/list); in each service's namespace its Deployment's scale get/update (by name),
-pods list/watch/patch/delete, HPAs and ScaledObjects list (update/patch with steer), EndpointSlices
-list/watch (with endpoint_service); the steps' ServiceAccount only workflowtaskresults; leases; nodes
-get/list/watch/patch; pods list cluster-wide (the node fit check, `adapters.k8s_nodes`) and
-nothing else on pods outside the Argo namespace; no pods/exec, no secrets beyond its own.
+Requirements from the cluster-mode issue (least privilege): workflows create/get/list/patch;
+pods get/list/watch/patch/delete; the step tokens' Secrets create/patch (never get/list); in each
+service's namespace its Deployment's scale get/update (by name), pods list/watch/patch/delete, HPAs
+and ScaledObjects list (update/patch with steer), EndpointSlices list/watch (with
+endpoint_service); the steps' ServiceAccount only workflowtaskresults; leases; nodes get/patch;
+pods list cluster-wide (the node fit check, `adapters.k8s_nodes`) and nothing else on pods
+outside the Argo namespace; no pods/exec, no pods/log, no Secret read, no Workflow watch or
+delete, no node list or watch (lowtide makes none of these requests: measured by
+tests/integration/test_chart_rbac_coverage.py).
 Requests go through the real client with the ServiceAccount's token; the fake answers 403
 exactly as kube-apiserver would.
 """
@@ -81,8 +83,6 @@ def test_chart_rbac_grants_what_lowtide_needs(cluster: FakeCluster, sa: tuple[cl
     custom = client.CustomObjectsApi(api)
     assert [p.metadata.name for p in core.list_namespaced_pod(ns).items] == ["step"]
     core.patch_namespaced_pod("step", ns, {"metadata": {"labels": {"lowtide.io/attempt": "1"}}})
-    cluster.set_pod_log(ns, "step", "ok\n")
-    assert core.read_namespaced_pod_log("step", ns, _preload_content=False).data == b"ok\n"
     # The step tokens' Secret of a job: created, then one key patched (adapters.argo.step_tokens).
     secret = {"metadata": {"name": "job-1-step-tokens"}, "data": {"train": "dG9rZW4="}}
     core.create_namespaced_secret(ns, secret)
@@ -192,6 +192,18 @@ def test_chart_rbac_refuses_everything_else(cluster: FakeCluster, sa: tuple[clie
     forbidden(lambda: core.list_namespaced_secret(ns))
     forbidden(lambda: core.create_namespaced_secret("serving", {"metadata": {"name": "x"}}))
     forbidden(lambda: core.delete_node("gpu-1"))
+    forbidden(core.list_node)  # read one by one (get), never listed or watched
+    # No container log is read through the API (no log reader uses pods/log); Workflows are
+    # stopped (patch), never deleted.
+    cluster.set_pod_log(ns, "step", "ok\n")
+    assert 'cannot get resource "pods/log"' in forbidden(
+        lambda: core.read_namespaced_pod_log("step", ns, _preload_content=False)
+    )
+    forbidden(
+        lambda: client.CustomObjectsApi(api).delete_namespaced_custom_object(
+            "argoproj.io", "v1alpha1", ns, "workflows", "job-1"
+        )
+    )
     # Events: only events.k8s.io, only where lowtide works, never read back.
     forbidden(lambda: core.create_namespaced_event(ns, {"metadata": {"name": "e"}, "involvedObject": {}}))
     forbidden(lambda: client.EventsV1Api(api).create_namespaced_event("kube-system", event("kube-system")))
@@ -210,6 +222,9 @@ def test_chart_rbac_refuses_everything_else(cluster: FakeCluster, sa: tuple[clie
     # Resources the fake does not serve are still decided by the same authorizer.
     assert not cluster.auth.authorize(SA, "create", "", "pods", "exec", ns, "step")
     assert not cluster.auth.authorize(SA, "get", "", "secrets", "", RELEASE.namespace, "someone-elses")
+    assert not cluster.auth.authorize(SA, "get", "", "secrets", "", RELEASE.namespace, "lowtide-store")
+    assert not cluster.auth.authorize(SA, "watch", "argoproj.io", "workflows", "", ns, "")
+    assert not cluster.auth.authorize(SA, "watch", "", "nodes", "", "", "")
     assert not cluster.auth.authorize(SA, "list", "", "secrets", "", RELEASE.namespace, "")
     assert not cluster.auth.authorize(SA, "delete", "", "secrets", "", ns, "job-1-step-tokens")
 

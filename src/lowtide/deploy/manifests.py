@@ -302,10 +302,12 @@ def _priority_classes(
 
 
 #: The Role in the Argo namespace: (apiGroup, resource, verbs) exactly as the chart grants them.
+#: Workflows: created, read, listed (recovery), patched (`spec.shutdown: Stop`); never watched or
+#: deleted. Pods: read (adoption), listed and watched (`adapters.k8s_watch`), patched (admission),
+#: deleted (notice, reaping). No pods/log: no log reader of lowtide reads a container's log.
 WORKLOAD_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("argoproj.io", "workflows", ("create", "get", "list", "watch", "patch", "delete")),
+    ("argoproj.io", "workflows", ("create", "get", "list", "patch")),
     ("", "pods", ("get", "list", "watch", "patch", "delete")),
-    ("", "pods/log", ("get",)),
     # Kubernetes Events about its pods (`adapters.k8s_events`, events.k8s.io/v1): created, and a
     # repeated one's series patched.
     ("events.k8s.io", "events", ("create", "patch")),
@@ -344,10 +346,11 @@ def service_rules(service: Mapping[str, Any]) -> list[dict[str, Any]]:
     return rules
 
 
-#: Cluster-scoped: the nodes lowtide labels and taints, and pods list: before admitting a research
-#: pod, the GPUs every pod bound to its node holds, in any namespace (`adapters.k8s_nodes`).
+#: Cluster-scoped: the nodes lowtide labels and taints (read-modify-write: get, patch; never listed
+#: or watched), and pods list: before admitting a research pod, the GPUs every pod bound to its
+#: node holds, in any namespace (`adapters.k8s_nodes`).
 NODE_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("", "nodes", ("get", "list", "watch", "patch")),
+    ("", "nodes", ("get", "patch")),
     ("", "pods", ("list",)),
 )
 
@@ -385,10 +388,9 @@ def _rbac(values: Mapping[str, Any], release: Release, chart: ChartMeta, _f: Map
             "apiVersion": rbac,
             "kind": "Role",
             "metadata": _meta(control, release, chart),
-            "rules": [
-                _rule("coordination.k8s.io", "leases", ("get", "create", "update")),
-                {**_rule("", "secrets", ("get",)), "resourceNames": [store_secret_name(values, release)]},
-            ],
+            # The HA Lease only. The store Secret reaches the pod through a secretKeyRef and the
+            # admin token's as a mounted file: the kubelet reads them, not lowtide.
+            "rules": [_rule("coordination.k8s.io", "leases", ("get", "create", "update"))],
         },
         _binding("RoleBinding", "Role", control, release, chart, ""),
         {
