@@ -50,6 +50,7 @@ import asyncio
 import contextlib
 import http.client
 import json
+import logging
 import math
 import os
 import platform
@@ -188,6 +189,10 @@ def serve_gateway(backends: list[str]) -> None:
     from lowtide.adapters.gateway import GatewayRouter, GatewayServer  # noqa: PLC0415
 
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})  # the thread inherits it
+    # Logging as the gateway process sets it up (gateway_process.main): a root handler, so uvicorn's
+    # access logger has one, at WARNING. Per-request logging work then shows here as in production.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
     router = GatewayRouter()
     server = GatewayServer(router)
     port = server.start(SERVICE, "127.0.0.1", 0)

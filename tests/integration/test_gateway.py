@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import socket
 import threading
@@ -922,6 +923,7 @@ class RawBackend:
         self.close_after_reply = close_after_reply
         self.received: list[bytes] = []  # each request as received, head and body
         self.connections = 0
+        self.pause_after: int | None = None  # send this many bytes of each reply, pause, then the rest
         self._sock = _listen()
         self._sock.listen(16)
         self._sock.settimeout(0.2)
@@ -961,6 +963,10 @@ class RawBackend:
                 answer = self.reply(len(self.received) - 1)
                 if answer is None:
                     return
+                if self.pause_after is not None:  # the head, then the rest a moment later
+                    conn.sendall(answer[: self.pause_after])
+                    time.sleep(0.05)
+                    answer = answer[self.pause_after :]
                 conn.sendall(answer)
                 if self.close_after_reply:
                     conn.shutdown(socket.SHUT_WR)
@@ -1041,3 +1047,48 @@ def test_a_head_request_gets_its_answer_without_waiting_for_a_body(
             assert r.content == b""
         assert client.get("/v1/models").json()["object"] == "list"
         assert gw.router.upstream_failures(SERVICE, "a") == 0
+
+
+# -- the server side's per-request costs (adapters/gateway_http.py) -------------------------------
+
+
+def test_a_json_answer_reaches_the_client_head_and_body_in_one_piece(gw: Gw) -> None:
+    """The response head is written together with the body (one send), so the client's first read
+    holds the whole answer, not the head alone, even when the replica sends its head first and
+    its body a moment later (as uvicorn, and so vLLM, does: two writes)."""
+    body = b'{"object": "chat.completion", "choices": [{"index": 0}]}'
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
+    raw = RawBackend(lambda n: head + body, close_after_reply=False)
+    raw.pause_after = len(head)
+    port = int(gw.url.rsplit(":", 1)[1])
+    try:
+        gw.router.set_backends(SERVICE, {"raw": raw.url})
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            for n in range(3):
+                request = b'{"id": "one-piece-%d"}' % n
+                sock.sendall(
+                    b"POST %s HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+                    b"content-length: %d\r\n\r\n%s" % (CHAT.encode(), len(request), request)
+                )
+                first = sock.recv(65536)
+                assert first.startswith(b"HTTP/1.1 200 ")
+                assert first.endswith(b"\r\n\r\n" + body), first
+                assert b"x-lowtide-replica: raw\r\n" in first
+    finally:
+        raw.close()
+
+
+def test_uvicorn_access_log_stays_silent_even_when_its_logger_would_print(
+    gw: Gw, make_backend: Callable[..., Backend], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The gateway counts requests in its metrics; uvicorn's per-request access line is never built."""
+    caplog.set_level(logging.INFO, logger="uvicorn.access")
+    a = make_backend("a")
+    gw.router.set_backends(SERVICE, {"a": a.url})
+    client = gw.client()
+    assert client.post(CHAT, json={"id": "quiet"}).status_code == 200
+    assert client.get("/health").status_code == 200
+    # The backend (uvicorn too) logs its own requests; only the gateway answers /health itself.
+    backend_lines = [r.getMessage() for r in caplog.records if r.name == "uvicorn.access"]
+    assert any(CHAT in line for line in backend_lines)  # the logger would print...
+    assert not any("/health" in line for line in backend_lines)  # ...but not the gateway's lines

@@ -38,10 +38,11 @@ no cap on open connections: vLLM queues requests itself).
 
 The hot path (issue 9; figures in benchmarks/README.md, gateway): the event loop is uvloop's
 (`uvloop.new_event_loop`, uvloop 0.23) and uvicorn parses requests with httptools
-(`uvicorn.Config(http="httptools")`, uvicorn 0.54), both pinned; without them (not installed) it
-falls back to asyncio's loop and h11, with the same behaviour. uvloop sets TCP_NODELAY on every TCP
-transport itself (uvloop `handles/tcp.pyx`), accepted ones included
-(`test_accepted_connections_have_nagle_off` checks it on both loops' sockets).
+(`gateway_http.GatewayHttpProtocol`: uvicorn 0.54's httptools protocol with the response head
+written together with the first body piece and no per-request access-log work), both pinned;
+without them (not installed) it falls back to asyncio's loop and h11, with the same behaviour.
+uvloop sets TCP_NODELAY on every TCP transport itself (uvloop `handles/tcp.pyx`), accepted ones
+included (`test_accepted_connections_have_nagle_off` checks it on both loops' sockets).
 
 Must not: decide which replicas serve (the control loop does, through the router), touch the
 process's logging configuration or signal handlers, or block the control loop's thread for longer
@@ -84,8 +85,17 @@ log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 10.0
 
+
 # The hot path's two C parts when installed (pinned in pyproject.toml; see the module docstring).
-_HTTP_IMPL = "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
+def _http_impl() -> type[asyncio.Protocol] | str:
+    if importlib.util.find_spec("httptools") is None:
+        return "h11"
+    from lowtide.adapters.gateway_http import GatewayHttpProtocol  # noqa: PLC0415 (needs httptools)
+
+    return GatewayHttpProtocol
+
+
+_HTTP_IMPL = _http_impl()
 
 
 def _new_event_loop() -> asyncio.AbstractEventLoop:

@@ -12,7 +12,9 @@ Forwarding. The request body is buffered (bodies are small JSON; at most `max_bo
 413), hop-by-hop headers and `host`/`content-length` are dropped and `x-forwarded-for` is added.
 The response is streamed through chunk by chunk as the backend produces it (`aiter_raw`: no
 re-encoding, no buffering), with its status and headers (minus hop-by-hop ones) and an
-`x-lowtide-replica` header naming the replica that served it.
+`x-lowtide-replica` header naming the replica that served it. The head of a response that is not
+an SSE stream waits for the first piece of its body (a JSON answer is one piece), so that the two
+leave in one write (`gateway_http`); an SSE stream's head goes out at once.
 
 Failures:
 - connection refused or connect timeout: nothing reached the backend (no TCP connection was
@@ -57,8 +59,11 @@ connections before the backends do (vLLM/uvicorn close idle ones after 5 s;
 connection it was sent on (a 502 on a healthy replica).
 
 Hot path: per request, one task for the disconnect watcher, the request head and body sent in
-one write by `UpstreamPool`, each body chunk passed on as received (no copy, no re-encoding), and
-the metric children looked up once per (replica, status) rather than per request.
+one write by `UpstreamPool`, each body chunk passed on as received (no copy, no re-encoding), a
+whole one-piece body sent as the last message (no empty closing message), the response head and
+first body piece in one write to the client, request headers filtered in one pass without
+lowercasing (ASGI servers give them lowercased), and the metric children looked up once per
+(replica, status) rather than per request.
 
 Neighbours: `gateway_router` (choice, in-flight counts, metrics), `gateway` (runs this app under
 uvicorn and owns the client). Must not: choose backends itself, block the event loop, or read
@@ -400,14 +405,32 @@ class GatewayApp:
         try:
             headers = _response_headers(upstream.headers.raw)
             headers.append((b"x-lowtide-replica", pick.replica_id.encode()))
-            await send({"type": "http.response.start", "status": upstream.status_code, "headers": headers})
+            sse = upstream.headers.get("content-type").startswith("text/event-stream")
+            start = {"type": "http.response.start", "status": upstream.status_code, "headers": headers}
+            first: bytes | None = b""
+            if not sse:
+                # Not a stream: the head goes out with the first piece of the body, in one write
+                # (`gateway_http`); a failure before that piece is handled as after it.
+                try:
+                    first = await upstream.next_raw()
+                except httpx.HTTPError as exc:
+                    await send(start)
+                    self._upstream_error(pick, "stream", exc)
+                    return True  # response left incomplete on purpose, as below
+            await send(start)
             try:
-                async for chunk in upstream.aiter_raw():
-                    if chunk:
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if first:
+                    if upstream.at_end():  # the whole body came in one piece (a small JSON answer)
+                        await send({"type": "http.response.body", "body": first, "more_body": False})
+                        return True
+                    await send({"type": "http.response.body", "body": first, "more_body": True})
+                if first is not None:
+                    async for chunk in upstream.aiter_raw():
+                        if chunk:
+                            await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except httpx.HTTPError as exc:
                 self._upstream_error(pick, "stream", exc)
-                if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                if sse:
                     event = _error_body(
                         502, "upstream_error", f"replica {pick.replica_id} failed mid-stream: {exc!r}"
                     )
@@ -457,31 +480,42 @@ def _target(scope: Scope) -> str:
     return f"{path}?{query.decode('latin-1')}" if query else path
 
 
-def _connection_tokens(headers: list[tuple[bytes, bytes]]) -> set[bytes]:
-    """Header names a `connection` header declares hop-by-hop as well."""
-    return {
-        token.strip().lower()
-        for name, value in headers
-        if name.lower() == b"connection"
-        for token in value.split(b",")
-    }
+def _tokens(value: bytes) -> set[bytes]:
+    """The header names a `connection` header's value declares hop-by-hop as well."""
+    return {token.strip().lower() for token in value.split(b",")}
 
 
 def _request_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
+    # Header names in an ASGI scope are lowercased by the server (ASGI spec, HTTP scope `headers`;
+    # uvicorn's httptools and h11 protocols both do it), so they are compared as they are.
     raw: list[tuple[bytes, bytes]] = scope["headers"]
-    dropped = _NOT_FORWARDED | _connection_tokens(raw)
-    headers = [(name, value) for name, value in raw if name.lower() not in dropped]
-    client = scope.get("client")
-    if client:
-        prior = [value for name, value in headers if name == b"x-forwarded-for"]
-        headers = [(name, value) for name, value in headers if name != b"x-forwarded-for"]
-        headers.append((b"x-forwarded-for", b", ".join([*prior, str(client[0]).encode()])))
+    dropped = _NOT_FORWARDED
+    for name, value in raw:
+        if name == b"connection":
+            dropped = dropped | _tokens(value)
+    if not scope.get("client"):
+        return [(name, value) for name, value in raw if name not in dropped]
+    headers: list[tuple[bytes, bytes]] = []
+    forwarded: list[bytes] = []
+    for name, value in raw:
+        if name in dropped:
+            continue
+        if name == b"x-forwarded-for":
+            forwarded.append(value)
+        else:
+            headers.append((name, value))
+    forwarded.append(str(scope["client"][0]).encode())
+    headers.append((b"x-forwarded-for", b", ".join(forwarded)))
     return headers
 
 
 def _response_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    dropped = HOP_BY_HOP | _connection_tokens(raw)
-    return [(name.lower(), value) for name, value in raw if name.lower() not in dropped]
+    lowered = [(name.lower(), value) for name, value in raw]
+    dropped = HOP_BY_HOP
+    for name, value in lowered:
+        if name == b"connection":
+            dropped = dropped | _tokens(value)
+    return [(name, value) for name, value in lowered if name not in dropped]
 
 
 def _error_body(code: int, kind: str, message: str) -> bytes:

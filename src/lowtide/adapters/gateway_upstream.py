@@ -26,6 +26,10 @@ Behaviour the gateway relies on (each maps to the httpx exception the proxy alre
   connection is closed, not reused (llhttp is not told the method, and would take the next
   response for this one's body).
 
+Per wait for data, a bare `loop.call_later` timer fails the waiter at the read timeout (cheaper
+than `asyncio.timeout`, which cancels and uncancels the task); `next_raw`/`at_end` let the proxy
+take the first body piece before it answers its client.
+
 Flow control: reading pauses while more than `_READ_HIGH_WATER` bytes of body wait for the proxy
 to take them (a slow client then slows the replica down, as with httpx).
 
@@ -170,14 +174,16 @@ class _Connection(asyncio.Protocol):
             waiter.set_result(None)
 
     async def _wait(self, read_s: float | None) -> None:
-        self._waiter = self.loop.create_future()
+        # A bare timer rather than `asyncio.timeout` (a context manager, a task cancel and uncancel
+        # per wait): the timer fails the waiter itself, and any data wakes it first.
+        waiter = self._waiter = self.loop.create_future()
+        timer = None if read_s is None else self.loop.call_later(read_s, _expire, waiter, read_s)
         try:
-            async with asyncio.timeout(read_s):
-                await self._waiter
-        except TimeoutError:
-            raise httpx.ReadTimeout(f"no data from the replica within {read_s}s") from None
+            await waiter
         finally:
             self._waiter = None
+            if timer is not None:
+                timer.cancel()
 
     def reusable(self, now: float, keepalive_s: float) -> bool:
         return not self.closed and now - self.idle_since < keepalive_s
@@ -238,6 +244,11 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
+def _expire(waiter: asyncio.Future[None], read_s: float) -> None:
+    if not waiter.done():
+        waiter.set_exception(httpx.ReadTimeout(f"no data from the replica within {read_s}s"))
+
+
 class UpstreamResponse:
     """A response whose body is read with `aiter_raw`; `aclose` must always be called."""
 
@@ -259,6 +270,14 @@ class UpstreamResponse:
         self._done = False
         self.status_code = status
         self.headers = UpstreamHeaders(headers)
+
+    async def next_raw(self) -> bytes | None:
+        """The next piece of the body as it arrives, or None at its end."""
+        return await self._conn.next_chunk(self._read_s)
+
+    def at_end(self) -> bool:
+        """The body was read to its end without a fault (`next_raw` would return None now)."""
+        return self._conn.finished_cleanly()
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body as it arrives (chunked framing removed, nothing decoded)."""
