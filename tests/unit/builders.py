@@ -62,6 +62,7 @@ def queued(
     preempted: bool = False,
     retry_note: str = "",
     owner: str = "",
+    gpu_memory_gib: float | None = None,
 ) -> QueuedStep:
     return QueuedStep(
         job_id=job_id,
@@ -75,6 +76,7 @@ def queued(
         preempted=preempted,
         retry_note=retry_note,
         owner=owner,
+        gpu_memory_gib=gpu_memory_gib,
     )
 
 

@@ -318,6 +318,7 @@ def validate(
             max_gpus_per_node=max_gpus,
             override_locs=locs,
             max_steps_per_job=settings.scheduler.max_steps_per_job,
+            max_gpu_memory_gib=_declared_max_gpu_memory(settings),
         )
         if settings.executor.runtime != "process":
             require_images(spec, settings.executor.runtime)
@@ -335,10 +336,20 @@ def validate(
         _print_json({"valid": True, "spec": spec.to_document(), "warnings": warnings})
         return
     gpus = max((s.gpus for s in spec.steps), default=0)
+    memory = max((s.gpu_memory_gib for s in spec.steps if s.gpu_memory_gib is not None), default=None)
+    need = "" if memory is None else f", needing up to {memory:g} GiB per GPU"
     out.print(
         f"[green]OK[/green] {safe(file)}: job '{safe(spec.name)}', {len(spec.steps)} step(s), "
-        f"up to {gpus} GPU(s) per step"
+        f"up to {gpus} GPU(s) per step{need}"
     )
+
+
+def _declared_max_gpu_memory(settings: Settings) -> float | None:
+    """The largest declared GPU memory when every node declares one (else unknown here: None)."""
+    sizes = [node.gpu_memory_gib for node in settings.nodes]
+    if not sizes or any(m is None for m in sizes):
+        return None
+    return max(m for m in sizes if m is not None)
 
 
 def _declared_max_gpus(settings: Settings) -> int | None:
@@ -916,15 +927,23 @@ def _print_attempt(
     follow: bool,
     tail: int | None,
 ) -> None:
-    """One attempt's log: all of it, or its last `tail` lines; with `follow`, then what comes."""
-    if tail is None:
-        sink.write_all(client.stream_logs(job, step, attempt=attempt, follow=follow))
-        return
-    data = b"".join(client.stream_logs(job, step, attempt=attempt, follow=False))
-    lines = data.splitlines(keepends=True)
-    sink.write(b"".join(lines[-tail:] if tail else []))
-    if follow:
-        sink.write_all(client.stream_logs(job, step, attempt=attempt, follow=True, offset=len(data)))
+    """One attempt's log: all of it, or its last `tail` lines; with `follow`, then what comes.
+    A log gone with its pod (410, cluster mode: docs/cluster.md "Logs") is said on stderr, and the
+    other steps and attempts are still shown."""
+    try:
+        if tail is None:
+            sink.write_all(client.stream_logs(job, step, attempt=attempt, follow=follow))
+            return
+        data = b"".join(client.stream_logs(job, step, attempt=attempt, follow=False))
+        lines = data.splitlines(keepends=True)
+        sink.write(b"".join(lines[-tail:] if tail else []))
+        if follow:
+            sink.write_all(client.stream_logs(job, step, attempt=attempt, follow=True, offset=len(data)))
+    except ApiFailure as exc:
+        if exc.status != 410:
+            raise
+        sink.close()
+        err.print(f"{safe(step)}: {safe(exc.message)}", highlight=False)
 
 
 #: Step states after which no attempt of the step will start.

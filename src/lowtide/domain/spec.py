@@ -57,6 +57,9 @@ class StepSpec:
     timeout: float | None = None
     #: Secrets by reference, on top of the job's `secrets` (names only; values at launch).
     secrets: tuple[SecretUse, ...] = ()
+    #: GiB each of its GPUs must have free for it (None: any GPU lent to research will do). A GPU
+    #: under a sleeping replica has its memory minus the replica's residual (`policy.placement`).
+    gpu_memory_gib: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +105,8 @@ class JobSpec:
             doc["secrets"] = secrets_document(self.secrets)
         for step in self.steps:
             s: dict[str, Any] = {"name": step.name, "command": list(step.command), "gpus": step.gpus}
+            if step.gpu_memory_gib is not None:
+                s["gpu_memory_gib"] = step.gpu_memory_gib
             if step.image is not None:
                 s["image"] = step.image
             if step.depends:
@@ -140,3 +145,5 @@ class ResolvedStep:
     checkpoint_dir: str | None  # stable across attempts; None unless `checkpoint: true`
     #: The job's and the step's secrets, by reference: the loop resolves them at launch.
     secrets: tuple[SecretUse, ...] = ()
+    #: GiB each of its GPUs must have free (`StepSpec.gpu_memory_gib`; None: no need declared).
+    gpu_memory_gib: float | None = None

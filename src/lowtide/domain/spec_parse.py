@@ -285,6 +285,7 @@ def build_job_spec(
     max_gpus_per_node: int | None = None,
     max_steps_per_job: int | None = None,
     default_team: str = "default",
+    max_gpu_memory_gib: float | None = None,
     override_locs: Mapping[str, str] | None = None,
 ) -> JobSpec:
     """Validate a job document and return its `JobSpec`, or raise `SpecInvalid` with every problem.
@@ -297,7 +298,9 @@ def build_job_spec(
     they may only set parameters the job (or its template) declares, so a typo is refused rather
     than silently ignored. Their problems are located at `override_locs[name]` (the API passes
     `query.param[i]`), else at `params.NAME`. `max_gpus_per_node` bounds each step's `gpus`,
-    `max_steps_per_job` the number of steps (config `scheduler.max_steps_per_job`). A job-level
+    `max_steps_per_job` the number of steps (config `scheduler.max_steps_per_job`),
+    `max_gpu_memory_gib` each step's `gpu_memory_gib` (the largest GPU memory of the pool's
+    nodes; None: some node's is unknown, no bound). A job-level
     `timeout` is the walltime of each step that sets none (`policy.walltime`).
     `default_team` is the team of a job whose document (and template) names none (the API passes
     the submitter's first team). `secrets` of the job (or, without them, of its template) apply
@@ -343,7 +346,7 @@ def build_job_spec(
                 params[name] = value
             else:
                 unknown_override(name, declared, "this job", "; declare it under 'params' to set it")
-        steps = check_steps(doc, "", issues, max_gpus_per_node, max_steps_per_job)
+        steps = check_steps(doc, "", issues, max_gpus_per_node, max_steps_per_job, max_gpu_memory_gib)
         if "name" not in doc:
             issues.add("name", "required")
         if steps is not None:
@@ -381,7 +384,9 @@ def build_job_spec(
                 if value is None:
                     at = override_loc(name) if name in override_params else f"params.{name}"
                     issues.add(at, f"required by template {template!r}")
-            steps = check_steps(tdoc, prefix, issues, max_gpus_per_node, max_steps_per_job)
+            steps = check_steps(
+                tdoc, prefix, issues, max_gpus_per_node, max_steps_per_job, max_gpu_memory_gib
+            )
             if steps is not None:
                 check_placeholders(steps, template_params, issues)
                 step_secrets = _step_secrets(tdoc, prefix, steps, issues)
@@ -417,6 +422,7 @@ def build_job_spec(
                 restart_seconds=step.restart_seconds,
                 timeout=step.timeout,
                 secrets=step_secrets.get(step.index, ()),
+                gpu_memory_gib=step.gpu_memory_gib,
             )
             for step in steps
         ),

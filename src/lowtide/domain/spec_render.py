@@ -108,6 +108,7 @@ def render_step(spec: JobSpec, step: StepSpec, *, job_id: str, layout: ArtifactL
         outputs=outputs,
         checkpoint_dir=layout.checkpoints(job_id, step.name) if step.checkpoint else None,
         secrets=(*spec.secrets, *(u for u in step.secrets if u not in spec.secrets)),
+        gpu_memory_gib=step.gpu_memory_gib,
     )
 
 

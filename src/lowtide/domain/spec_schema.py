@@ -26,7 +26,7 @@ from typing import Any
 from lowtide.domain.spec import PRIORITY_NAMES, PRIORITY_RANGE
 from lowtide.domain.spec_document import MAX_INT, MIN_INT
 from lowtide.domain.spec_issues import MAX_RETRIES, MAX_SPEC_SECONDS
-from lowtide.domain.spec_steps import MAX_TIMEOUT_SECONDS
+from lowtide.domain.spec_steps import MAX_GPU_MEMORY_GIB, MAX_TIMEOUT_SECONDS
 
 __all__ = ["job_spec_schema"]
 
@@ -87,6 +87,12 @@ def _step_schema() -> dict[str, Any]:
             },
             "image": {"type": "string", "minLength": 1},
             "gpus": {"type": "integer", "minimum": 0, "maximum": MAX_INT},
+            "gpu_memory_gib": {
+                "type": "number",
+                "exclusiveMinimum": 0,
+                "maximum": MAX_GPU_MEMORY_GIB,
+                "description": "GiB each of the step's GPUs must have free (only with gpus of 1 or more)",
+            },
             "depends": {"type": "array", "items": _NAME, "uniqueItems": True},
             "checkpoint": {"type": "boolean"},
             "max_retries": _COUNT,

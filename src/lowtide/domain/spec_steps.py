@@ -1,7 +1,7 @@
 """Step and DAG checks for a job or template document: steps, depends, cycles, placeholders.
 
 Role: `check_steps` validates a document's `steps` list (each step's keys, name, command, image,
-gpus, checkpoint, max_retries and env, unique names, `depends` and dependency cycles) and
+gpus, gpu_memory_gib, checkpoint, max_retries and env, unique names, `depends` and dependency cycles) and
 returns the steps as `CheckedStep`s; `check_placeholders` checks every `{{...}}` in commands,
 images and env values against the parameters and each step's upstream steps. Problems are
 collected in an `Issues`, never raised here.
@@ -36,13 +36,21 @@ from lowtide.domain.spec_issues import (
 )
 from lowtide.domain.spec_render import PLACEHOLDER_FORMS, PLACEHOLDER_RE, transitive
 
-__all__ = ["MAX_TIMEOUT_SECONDS", "CheckedStep", "check_placeholders", "check_steps", "check_timeout"]
+__all__ = [
+    "MAX_GPU_MEMORY_GIB",
+    "MAX_TIMEOUT_SECONDS",
+    "CheckedStep",
+    "check_placeholders",
+    "check_steps",
+    "check_timeout",
+]
 
 _STEP_KEYS = (
     "name",
     "image",
     "command",
     "gpus",
+    "gpu_memory_gib",
     "depends",
     "checkpoint",
     "max_retries",
@@ -67,6 +75,7 @@ class CheckedStep:
     command: list[str]
     image: str | None = None
     gpus: int = 0
+    gpu_memory_gib: float | None = None
     has_depends: bool = False
     raw_depends: object = None
     depends: tuple[str, ...] = ()
@@ -77,6 +86,39 @@ class CheckedStep:
     max_preemptions: int | None = None
     restart_seconds: float = DEFAULT_RESTART_SECONDS
     timeout: float | None = None
+
+
+#: The most GiB per GPU a step may ask for when the pool's GPU memory is unknown (a sanity bound).
+MAX_GPU_MEMORY_GIB = 1_000_000.0
+
+
+def _check_gpu_memory(value: object, loc: str, issues: Issues, max_memory: float | None) -> float | None:
+    """`gpu_memory_gib`: GiB each of the step's GPUs must have free, a number > 0; at most the
+    largest GPU memory of the pool's nodes when every node's is known (`max_memory`)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        issues.add(loc, f"must be a number of GiB per GPU, got {kind(value)}")
+        return None
+    if isinstance(value, int) and value > MAX_GPU_MEMORY_GIB:  # compared as int: no float overflow
+        issues.add(loc, f"must be at most {MAX_GPU_MEMORY_GIB:.0f} GiB, got {excerpt(value)}")
+        return None
+    memory = float(value)
+    if not math.isfinite(memory) or memory <= 0:
+        issues.add(loc, f"must be a number of GiB more than 0, got {excerpt(value)}")
+        return None
+    if memory > MAX_GPU_MEMORY_GIB:
+        issues.add(loc, f"must be at most {MAX_GPU_MEMORY_GIB:.0f} GiB, got {excerpt(value)}")
+        return None
+    if max_memory is not None and memory > max_memory:
+        issues.add(
+            loc,
+            f"{_gib(memory)} GiB per GPU requested but no node's GPUs have more than {_gib(max_memory)} GiB",
+        )
+        return None
+    return memory
+
+
+def _gib(x: float) -> str:
+    return f"{x:.1f}".removesuffix(".0")
 
 
 #: The longest walltime a spec may set (366 days); no `timeout` at all means no limit.
@@ -176,7 +218,7 @@ def _check_env(value: object, loc: str, issues: Issues) -> dict[str, str]:
 
 
 def _check_step(
-    raw: object, index: int, prefix: str, issues: Issues, max_gpus: int | None
+    raw: object, index: int, prefix: str, issues: Issues, max_gpus: int | None, max_memory: float | None
 ) -> CheckedStep | None:
     loc = f"{prefix}steps[{index}]"
     if not isinstance(raw, Mapping):
@@ -215,6 +257,12 @@ def _check_step(
             issues.add(f"{loc}.gpus", f"{gpus} GPUs requested but the largest node has {max_gpus}")
         else:
             step.gpus = gpus
+    if "gpu_memory_gib" in raw:
+        at = f"{loc}.gpu_memory_gib"
+        step.gpu_memory_gib = _check_gpu_memory(raw["gpu_memory_gib"], at, issues, max_memory)
+        cpu_only = "gpus" not in raw or (type(raw["gpus"]) is int and raw["gpus"] == 0)
+        if step.gpu_memory_gib is not None and cpu_only:
+            issues.add(at, "only for a step with GPUs: give gpus (1 or more) too")
     if "checkpoint" in raw:
         if isinstance(raw["checkpoint"], bool):
             step.checkpoint = raw["checkpoint"]
@@ -351,11 +399,17 @@ def _check_cycles(steps: Sequence[CheckedStep], issues: Issues) -> None:
 
 
 def check_steps(
-    doc: Mapping[str, Any], prefix: str, issues: Issues, max_gpus: int | None, max_steps: int | None = None
+    doc: Mapping[str, Any],
+    prefix: str,
+    issues: Issues,
+    max_gpus: int | None,
+    max_steps: int | None = None,
+    max_memory: float | None = None,
 ) -> list[CheckedStep] | None:
     """The document's steps as checked; None when there are none to check. `max_steps` (config
     `scheduler.max_steps_per_job`) bounds their number: a longer list is reported at `steps` and
-    not checked further (a 10,000-step spec over the limit costs one check, not 10,000)."""
+    not checked further (a 10,000-step spec over the limit costs one check, not 10,000).
+    `max_memory` (GiB; None: unknown) bounds each step's `gpu_memory_gib`."""
     loc = prefix + "steps"
     if "steps" not in doc:
         issues.add(
@@ -375,7 +429,7 @@ def check_steps(
     steps = [
         step
         for i, raw in enumerate(raw_steps)
-        if (step := _check_step(raw, i, prefix, issues, max_gpus)) is not None
+        if (step := _check_step(raw, i, prefix, issues, max_gpus, max_memory)) is not None
     ]
     known: dict[str, int] = {}
     for step in steps:

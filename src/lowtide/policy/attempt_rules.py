@@ -166,8 +166,10 @@ def queued_step(
     priority: int,
     submitted_at: float,
     owner: str = "",
+    gpu_memory_gib: float | None = None,
 ) -> QueuedStep:
-    """The scheduler's view of a step in `QUEUED_STEP_STATES`; `owner` is the job's submitter."""
+    """The scheduler's view of a step in `QUEUED_STEP_STATES`; `owner` is the job's submitter,
+    `gpu_memory_gib` the GiB per GPU its spec declares (read from the resolved step's document)."""
     return QueuedStep(
         job_id=job_id,
         step=step,
@@ -180,6 +182,7 @@ def queued_step(
         preempted=state == StepState.PREEMPTED,
         retry_note=retry_note(retries_used, max_retries),
         owner=owner,
+        gpu_memory_gib=None if gpu_memory_gib is None else float(gpu_memory_gib),
     )
 
 

@@ -16,13 +16,30 @@ lazily: sorting happens only after a `take` changed it, and takes are rare next 
 (most queued steps only ask and wait). The usable GPUs of each node (`_usable`: the pool minus
 the unavailable set) are remembered by the identity of the nodes and the set, which the loop
 hands every decision unchanged while inference keeps the same GPUs: a pure memo, never stale.
+
+GPU memory (docs/architecture.md §4.2). A GPU under a sleeping replica is lent but not empty: it has
+`GpuShare.limit_gib` left (the node's GPU memory − the replica's residual; `Snapshot.gpu_shares`).
+A step that declares `gpu_memory_gib` (per GPU) is placed only on GPUs with at least that much:
+a GPU under no sleeping replica counts as whole (its node's memory when known; unknown: allowed),
+one under a sleeping replica whose node's memory is unknown is *not* allowed (conservative: what
+is left there cannot be known). Best fit is unchanged for it (smallest free count first), it just
+skips nodes with too few such GPUs. Reservations count only such GPUs too (`capacity_for`), so a
+step is never held waiting for GPUs it can never use. Steps without a need: among equally good
+fits (the same free count) the node where the take includes the fewest GPUs under sleeping
+replicas comes first, and within a node those GPUs are taken last; with no sleeping replica's
+residual anywhere (`gpu_shares` empty) nothing differs from plain best fit. `_usable` does not
+read the shares, so its memo keys stay what they were; the nodes' GPU memory (`_memory_of`) is
+remembered by the identity of the kept `nodes` tuple (`policy.memo.Last`), its only input.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
+from types import MappingProxyType
 
 from lowtide.domain.gpus import GpuRef, Node
+from lowtide.policy.lending import GpuShare
+from lowtide.policy.memo import Last
 from lowtide.policy.snapshot import Snapshot
 
 _NO_EXCLUSIONS: frozenset[str] = frozenset()
@@ -31,11 +48,22 @@ _NO_EXCLUSIONS: frozenset[str] = frozenset()
 class FreeGpus:
     """Free GPU indices per node, bucketed by free count."""
 
-    __slots__ = ("_buckets", "_capacity", "_free", "_sorted", "_top")
+    __slots__ = ("_buckets", "_capacity", "_free", "_memory", "_shares", "_sorted", "_top")
 
-    def __init__(self, free: Mapping[str, Iterable[int]], capacity: Mapping[str, int]) -> None:
+    def __init__(
+        self,
+        free: Mapping[str, Iterable[int]],
+        capacity: Mapping[str, int],
+        *,
+        shares: Mapping[str, Mapping[int, GpuShare]] | None = None,
+        memory: Mapping[str, float | None] | None = None,
+    ) -> None:
         """`free`: node → free GPU indices; `capacity`: node → GPUs lowtide may ever use there
-        (the node's GPUs minus the unavailable ones, whether free or held by a step now)."""
+        (the node's GPUs minus the unavailable ones, whether free or held by a step now);
+        `shares`: node → its GPUs among those under a sleeping replica (`GpuShare`); `memory`:
+        node → GPU memory in GiB (absent or None: unknown)."""
+        self._shares: dict[str, Mapping[int, GpuShare]] = {n: m for n, m in (shares or {}).items() if m}
+        self._memory: Mapping[str, float | None] = memory or {}
         self._free: dict[str, list[int]] = {node: sorted(indices) for node, indices in free.items()}
         self._capacity: dict[str, int] = {node: capacity.get(node, 0) for node in self._free}
         self._top = max((len(idx) for idx in self._free.values()), default=0)
@@ -58,11 +86,16 @@ class FreeGpus:
                 mine.update(step.gpus)
         free: dict[str, list[int]] = {}
         capacity: dict[str, int] = {}
+        shared = _by_node(snapshot.gpu_shares)
+        shares: dict[str, dict[int, GpuShare]] = {}
         for name, usable in _usable(snapshot.nodes, snapshot.unavailable):
             capacity[name] = len(usable)
             busy = held.get(name)
             free[name] = [i for i in usable if i not in busy] if busy else list(usable)
-        return cls(free, capacity)
+            under = shared.get(name)
+            if under:  # only the usable ones: capacity_for counts them
+                shares[name] = {i: under[i] for i in usable if i in under}
+        return cls(free, capacity, shares=shares, memory=_memory_of(snapshot.nodes))
 
     # --- queries -----------------------------------------------------------------------------
 
@@ -79,34 +112,94 @@ class FreeGpus:
         """GPUs on `node` that lowtide may use at all (free or held by steps, not unavailable)."""
         return self._capacity[node]
 
-    def largest_capacity(self) -> int:
-        return max(self._capacity.values(), default=0)
+    def largest_capacity(self, need_gib: float | None = None) -> int:
+        if need_gib is None:
+            return max(self._capacity.values(), default=0)
+        return max((self.capacity_for(node, need_gib) for node in self._free), default=0)
 
-    def best_fit(self, gpus: int, excluded_nodes: Collection[str] = _NO_EXCLUSIONS) -> str | None:
-        """The node with the fewest free GPUs that still has `gpus` free; ties by name."""
+    def capacity_for(self, node: str, need_gib: float | None) -> int:
+        """`capacity`, counting only GPUs with at least `need_gib` GiB left (None: every one)."""
+        if need_gib is None:
+            return self._capacity[node]
+        if not self._node_has(node, need_gib):
+            return 0
+        shares = self._shares.get(node)
+        if not shares:
+            return self._capacity[node]
+        return self._capacity[node] - sum(1 for share in shares.values() if not _enough(share, need_gib))
+
+    def free_for(self, node: str, need_gib: float | None) -> int:
+        """Free GPUs on `node` with at least `need_gib` GiB left (None: every free GPU)."""
+        return len(self._eligible(node, need_gib))
+
+    def has_shares(self) -> bool:
+        """Whether any usable GPU is under a sleeping replica that still holds memory."""
+        return bool(self._shares)
+
+    def best_fit(
+        self, gpus: int, excluded_nodes: Collection[str] = _NO_EXCLUSIONS, need_gib: float | None = None
+    ) -> str | None:
+        """The node with the fewest free GPUs that still has `gpus` free (with at least `need_gib`
+        GiB left each, when given); ties: the fewest GPUs under sleeping replicas taken, then name."""
         if gpus < 1:
             raise ValueError(f"best_fit needs at least 1 GPU, got {gpus}")
+        if need_gib is None and not self._shares:
+            for count in range(gpus, self._top + 1):
+                if self._buckets[count]:
+                    node = self._first_in_bucket(count, excluded_nodes)
+                    if node is not None:
+                        return node
+            return None
         for count in range(gpus, self._top + 1):
-            if self._buckets[count]:
-                node = self._first_in_bucket(count, excluded_nodes)
-                if node is not None:
-                    return node
+            if not self._buckets[count]:
+                continue
+            best: str | None = None
+            best_shared = 0
+            for node in self._sorted_bucket(count):
+                if node in excluded_nodes:
+                    continue
+                eligible = self._eligible(node, need_gib)
+                if len(eligible) < gpus:
+                    continue
+                shared = self._shared_taken(node, eligible, gpus)
+                if shared == 0:
+                    return node  # the first by name that takes no shared GPU: nothing fits better
+                if best is None or shared < best_shared:
+                    best, best_shared = node, shared
+            if best is not None:
+                return best
         return None
 
-    def largest_free_block(self, excluded_nodes: Collection[str] = _NO_EXCLUSIONS) -> int:
-        """The most free GPUs on any one node outside `excluded_nodes` (0 when none is free)."""
+    def largest_free_block(
+        self, excluded_nodes: Collection[str] = _NO_EXCLUSIONS, need_gib: float | None = None
+    ) -> int:
+        """The most free GPUs (with `need_gib` GiB left, when given) on any one node outside
+        `excluded_nodes` (0 when none is free)."""
+        if need_gib is not None:
+            return max(
+                (self.free_for(node, need_gib) for node in self._free if node not in excluded_nodes),
+                default=0,
+            )
         for count in range(self._top, 0, -1):
             if self._buckets[count] and self._first_in_bucket(count, excluded_nodes) is not None:
                 return count
         return 0
 
     def most_free_with_capacity(
-        self, gpus: int, excluded_nodes: Collection[str] = _NO_EXCLUSIONS
+        self, gpus: int, excluded_nodes: Collection[str] = _NO_EXCLUSIONS, need_gib: float | None = None
     ) -> str | None:
-        """Among nodes whose capacity is ≥ `gpus`, the one with the most free GPUs (ties: name).
+        """Among nodes whose capacity is ≥ `gpus`, the one with the most free GPUs (ties: name);
+        with `need_gib`, capacity and free GPUs count only GPUs with that much left.
 
         This is where a blocked step can wait with the least still to free up.
         """
+        if need_gib is not None:
+            fits = [
+                (-self.free_for(node, need_gib), node)
+                for node in self._free
+                if node not in excluded_nodes and self.capacity_for(node, need_gib) >= gpus
+            ]
+            return min(fits)[1] if fits else None
         for count in range(self._top, -1, -1):
             if not self._buckets[count]:
                 continue
@@ -115,16 +208,71 @@ class FreeGpus:
                     return node
         return None
 
+    def memory_shortfall(
+        self, need_gib: float, excluded_nodes: Collection[str] = _NO_EXCLUSIONS, *, free_only: bool = True
+    ) -> list[str]:
+        """Why GPUs outside `excluded_nodes` lack `need_gib` GiB, grouped, e.g. "4 GPUs under
+        sleeping replicas have 76 − 8 = 68 GiB free" (empty: none lacks it). The free GPUs, or
+        with `free_only` False every GPU lowtide may use (free or held by a step now)."""
+        small: dict[float, int] = {}  # node memory below the need -> GPUs
+        shared: dict[tuple[float | None, float, float | None], int] = {}  # (memory, reserved, limit)
+        for node in sorted(self._free):
+            if node in excluded_nodes:
+                continue
+            total = self._memory.get(node)
+            if total is not None and total < need_gib:
+                n = len(self._free[node]) if free_only else self._capacity[node]
+                if n:
+                    small[total] = small.get(total, 0) + n
+                continue
+            shares = self._shares.get(node) or {}
+            if not shares:
+                continue
+            for i in self._free[node] if free_only else shares:
+                share = shares.get(i)
+                if share is not None and not _enough(share, need_gib):
+                    key = (total, share.reserved_gib, share.limit_gib)
+                    shared[key] = shared.get(key, 0) + 1
+        out = [
+            f"{_gpus(n)} {'has' if n == 1 else 'have'} only {gib(m)} GiB" for m, n in sorted(small.items())
+        ]
+        for (total, reserved, limit), n in sorted(
+            shared.items(), key=lambda kv: (kv[0][2] is None, kv[0][2] or 0)
+        ):
+            under = f"{_gpus(n)} under sleeping replicas"
+            if total is None or limit is None:
+                out.append(
+                    f"{under} {'holds' if n == 1 else 'hold'} {gib(reserved)} GiB of an unknown GPU memory "
+                    "(not lent to a step that "
+                    "declares a need; set the node's gpu_memory_gib)"
+                )
+            else:
+                verb = "has" if n == 1 else "have"
+                out.append(f"{under} {verb} {gib(total)} − {gib(reserved)} = {gib(limit)} GiB free")
+        return out
+
     # --- the one mutation --------------------------------------------------------------------
 
-    def take(self, node: str, gpus: int) -> tuple[int, ...]:
-        """Take the `gpus` lowest free indices on `node`; raises ValueError if too few are free."""
+    def take(self, node: str, gpus: int, need_gib: float | None = None) -> tuple[int, ...]:
+        """Take `gpus` free GPUs on `node`: the lowest indices, those under sleeping replicas
+        last, only those with `need_gib` GiB left when given; raises ValueError if too few."""
         free = self._free[node]
         before = len(free)
-        if gpus < 0 or gpus > before:
-            raise ValueError(f"cannot take {gpus} GPUs on {node}: {before} free")
-        taken = tuple(free[:gpus])
-        del free[:gpus]
+        if need_gib is None and node not in self._shares:
+            if gpus < 0 or gpus > before:
+                raise ValueError(f"cannot take {gpus} GPUs on {node}: {before} free")
+            taken = tuple(free[:gpus])
+            del free[:gpus]
+        else:
+            eligible = self._eligible(node, need_gib)
+            if gpus < 0 or gpus > len(eligible):
+                what = "free" if need_gib is None else f"free with {gib(need_gib)} GiB"
+                raise ValueError(f"cannot take {gpus} GPUs on {node}: {len(eligible)} {what}")
+            shares = self._shares.get(node) or {}
+            ordered = [i for i in eligible if i not in shares] + [i for i in eligible if i in shares]
+            taken = tuple(sorted(ordered[:gpus]))
+            gone = set(taken)
+            free[:] = [i for i in free if i not in gone]
         after = len(free)
         if after != before:
             self._buckets[before].discard(node)
@@ -146,6 +294,67 @@ class FreeGpus:
             if node not in excluded_nodes:
                 return node
         return None
+
+    def _node_has(self, node: str, need_gib: float) -> bool:
+        """The node's GPUs are big enough (unknown memory: taken as big enough, whole GPUs)."""
+        total = self._memory.get(node)
+        return total is None or total >= need_gib
+
+    def _eligible(self, node: str, need_gib: float | None) -> list[int]:
+        """The free GPUs of `node` a step needing `need_gib` GiB per GPU may take (ascending)."""
+        free = self._free[node]
+        if need_gib is None:
+            return free
+        if not self._node_has(node, need_gib):
+            return []
+        shares = self._shares.get(node)
+        if not shares:
+            return free
+        return [i for i in free if (share := shares.get(i)) is None or _enough(share, need_gib)]
+
+    def _shared_taken(self, node: str, eligible: list[int], gpus: int) -> int:
+        """How many GPUs under sleeping replicas a take of `gpus` from `eligible` includes."""
+        shares = self._shares.get(node)
+        if not shares:
+            return 0
+        plain = sum(1 for i in eligible if i not in shares)
+        return max(0, gpus - plain)
+
+
+def _enough(share: GpuShare, need_gib: float) -> bool:
+    """A GPU under a sleeping replica has `need_gib` left; unknown memory: no (conservative)."""
+    return share.limit_gib is not None and share.limit_gib >= need_gib
+
+
+#: The last nodes `_memory_of` looked at and its answer (the loop passes the same tuple each tick).
+_last_memory: Last[tuple[tuple[Node, ...], Mapping[str, float | None]]] = Last()
+
+
+def _memory_of(nodes: tuple[Node, ...]) -> Mapping[str, float | None]:
+    """Each node's GPU memory (GiB, None: unknown), read-only; remembered by the identity of the
+    kept `nodes` tuple (policy.memo), so not rebuilt at every decision."""
+    last = _last_memory.entry
+    if last is not None and last[0] is nodes:
+        return last[1]
+    memory = MappingProxyType({node.name: node.gpu_memory_gib for node in nodes})
+    _last_memory.entry = (nodes, memory)
+    return memory
+
+
+def _by_node(shares: Mapping[GpuRef, GpuShare]) -> dict[str, dict[int, GpuShare]]:
+    out: dict[str, dict[int, GpuShare]] = {}
+    for ref, share in shares.items():
+        out.setdefault(ref.node, {})[ref.index] = share
+    return out
+
+
+def gib(x: float) -> str:
+    """GiB as a person reads it: 76, 67.5 (one decimal at most)."""
+    return f"{x:.1f}".removesuffix(".0")
+
+
+def _gpus(n: int) -> str:
+    return f"{n} GPU" if n == 1 else f"{n} GPUs"
 
 
 # --- the usable GPUs of the pool -------------------------------------------------------------------

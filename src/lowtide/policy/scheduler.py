@@ -23,6 +23,9 @@ Placement
     Running CPU-only steps are counted from the snapshot (`Snapshot.cpu_steps_running`, stopping
     ones included: their processes still run) plus those this decision starts. A GPU step goes on
     one node, chosen best fit among the nodes not reserved in this decision (`policy.placement`).
+    A step that declares `gpu_memory_gib` goes only on GPUs with that much memory left (a GPU under
+    a sleeping replica has its node's memory − the replica's residual: `Snapshot.gpu_shares`); its
+    reservation, too, counts only such GPUs, and its waiting reason says when memory holds it back.
 
 Team quotas (nominal, borrowing only idle GPUs)
     `team_quotas` gives some teams a nominal number of GPUs (teams without one have no limit).
@@ -77,6 +80,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from operator import attrgetter
 
+from lowtide.policy import placement
 from lowtide.policy.fairshare import FairSharePolicy, TeamShares
 from lowtide.policy.placement import FreeGpus
 from lowtide.policy.plan import Reservation, SchedulePlan, StartStep, Waiting
@@ -181,13 +185,16 @@ class _Decision:
         self._waiting: list[Waiting] = []
         self._reservations: list[Reservation] = []
         self._reserved_nodes: set[str] = set()
-        # Waiting reasons by GPU count: most queued steps wait for the same few reasons, and a
-        # reason only changes when a take or a reservation changes the free GPUs.
-        self._blocked_reasons: dict[int, str] = {}
-        self._borrow_reasons: dict[tuple[str, int], str] = {}  # (team, GPUs): same lifetime
+        # Waiting reasons by (GPU count, GiB per GPU): most queued steps wait for the same few
+        # reasons, and a reason only changes when a take or a reservation changes the free GPUs.
+        self._blocked_reasons: dict[tuple[int, float | None], str] = {}
+        # (team, GPUs, GiB per GPU): same lifetime
+        self._borrow_reasons: dict[tuple[str, int, float | None], str] = {}
         self._backfill_note = ""
-        # Free GPUs only shrink during a decision, so a need that failed once fails again.
+        # Free GPUs only shrink during a decision, so a need that failed once fails again: with no
+        # memory need (which also fails any step needing memory), and per GiB per GPU declared.
         self._smallest_unplaceable = math.inf
+        self._smallest_unplaceable_gib: dict[float, int] = {}
 
     # What follows is built on first use: a tick with no step ready to start (the queue empty,
     # or every step backing off) needs none of it, and it costs O(running steps) or O(nodes).
@@ -255,18 +262,31 @@ class _Decision:
         if need <= 0:
             self._start_cpu_step(step)
             return
-        if need < self._smallest_unplaceable:
-            node = self._free.best_fit(need, self._reserved_nodes)
-            if node is not None:
-                self._start_on(step, node)
-                return
-            self._smallest_unplaceable = need
+        gib = step.gpu_memory_gib
+        node = self._place(need, gib)
+        if node is not None:
+            self._start_on(step, node)
+            return
         if len(self._reservations) < self._max_reservations:
-            target = self._free.most_free_with_capacity(need, self._reserved_nodes)
+            target = self._free.most_free_with_capacity(need, self._reserved_nodes, gib)
             if target is not None:
                 self._reserve(step, target)
                 return
-        self._waiting.append(Waiting(step.job_id, step.step, self._blocked_reason(need)))
+        self._waiting.append(Waiting(step.job_id, step.step, self._blocked_reason(need, gib)))
+
+    def _place(self, need: int, gib: float | None) -> str | None:
+        """The best-fit node for `need` GPUs (with `gib` GiB left each), outside reservations."""
+        if need >= self._smallest_unplaceable:
+            return None
+        if gib is not None and need >= self._smallest_unplaceable_gib.get(gib, math.inf):
+            return None
+        node = self._free.best_fit(need, self._reserved_nodes, gib)
+        if node is None:
+            if gib is None:
+                self._smallest_unplaceable = need
+            else:
+                self._smallest_unplaceable_gib[gib] = need
+        return node
 
     def _borrows(self, step: QueuedStep) -> bool:
         """Would starting this GPU step take its team beyond its quota?"""
@@ -275,15 +295,13 @@ class _Decision:
 
     def _consider_borrowing(self, step: QueuedStep) -> None:
         """Second pass: place a borrowing step on GPUs nobody within quota can use now, or say why not."""
-        need = step.gpus
+        need, gib = step.gpus, step.gpu_memory_gib
         quota = self._quotas[step.team]
-        if need < self._smallest_unplaceable:
-            node = self._free.best_fit(need, self._reserved_nodes)
-            if node is not None:
-                self._start_on(step, node, f"; borrowed: team {step.team} is beyond its quota of {quota}")
-                return
-            self._smallest_unplaceable = need
-        reason = self._borrow_reasons.get((step.team, need))
+        node = self._place(need, gib)
+        if node is not None:
+            self._start_on(step, node, f"; borrowed: team {step.team} is beyond its quota of {quota}")
+            return
+        reason = self._borrow_reasons.get((step.team, need, gib))
         if reason is None:
             held = int(self._shares.held(step.team))
             if held >= quota:
@@ -293,7 +311,8 @@ class _Decision:
                     f"team {step.team} would exceed its quota of {_count(quota, 'GPU')} "
                     f"(holds {held}, needs {need}; borrowing only idle GPUs)"
                 )
-            reason = self._borrow_reasons[(step.team, need)] = f"{why}; {self._blocked_reason(need)}"
+            reason = f"{why}; {self._blocked_reason(need, gib)}"
+            self._borrow_reasons[(step.team, need, gib)] = reason
         self._waiting.append(Waiting(step.job_id, step.step, reason))
 
     def _start_cpu_step(self, step: QueuedStep) -> None:
@@ -333,7 +352,7 @@ class _Decision:
 
     def _start_on(self, step: QueuedStep, node: str, note: str = "") -> None:
         free_before = self._free.free_count(node)
-        gpus = self._free.take(node, step.gpus)
+        gpus = self._free.take(node, step.gpus, step.gpu_memory_gib)
         self._blocked_reasons.clear()
         self._borrow_reasons.clear()
         self._shares.add_held(step.team, step.gpus)
@@ -344,7 +363,8 @@ class _Decision:
 
     def _reserve(self, step: QueuedStep, node: str) -> None:
         lead = "head of the queue" if not self._reservations else "next in line"
-        missing = step.gpus - self._free.free_count(node)
+        gib = step.gpu_memory_gib
+        missing = step.gpus - self._free.free_for(node, gib)
         self._reservations.append(Reservation(step.job_id, step.step, node, step.gpus))
         self._reserved_nodes.add(node)
         self._blocked_reasons.clear()
@@ -352,37 +372,68 @@ class _Decision:
         self._backfill_note = " while " + " and ".join(
             f"{r.job_id}/{r.step} waits for {r.node}" for r in self._reservations
         )
-        reason = f"{lead}: waiting for {_count(missing, 'more GPU')} on {node} (GPUs held back from backfill)"
+        more = _count(missing, "more GPU") + ("" if gib is None else f" with {placement.gib(gib)} GiB free")
+        reason = f"{lead}: waiting for {more} on {node} (GPUs held back from backfill)"
         kept = self._node_size.get(node, 0) - self._free.capacity(node)
         if kept > 0:  # e.g. GPUs inference keeps: the wait may last until lending allows more
             reason += f"; {_count(kept, 'GPU')} of {node} not lendable now"
         self._waiting.append(Waiting(step.job_id, step.step, reason))
 
-    def _blocked_reason(self, need: int) -> str:
-        reason = self._blocked_reasons.get(need)
+    def _blocked_reason(self, need: int, gib: float | None = None) -> str:
+        key = (need, gib)
+        reason = self._blocked_reasons.get(key)
         if reason is None:
-            reason = self._blocked_reasons[need] = self._explain_blocked(need)
+            reason = self._blocked_reasons[key] = self._explain_blocked(need, gib)
         return reason
 
-    def _explain_blocked(self, need: int) -> str:
+    def _explain_blocked(self, need: int, gib: float | None) -> str:
         wants = f"needs {need} GPUs on one node"
         if need > self._largest_node:
             return f"{wants}; no node has that many"
+        if gib is not None:
+            memory = self._memory_blocked(need, gib)
+            if memory is not None:
+                return memory
         lendable = self._free.largest_capacity()
         if need > lendable:
             if lendable == 0:
                 return f"{wants}; no GPUs can be lent now"
             return f"{wants}; at most {lendable} on any node can be lent now"
-        block = self._free.largest_free_block(self._reserved_nodes)
+        block = self._free.largest_free_block(self._reserved_nodes, gib)
         reason = "no free GPUs" if block == 0 else f"{wants}; largest free block is {block}"
+        if gib is not None and block > 0:
+            reason += f" with {placement.gib(gib)} GiB free"
         # Name the reservations that hide a bigger block than the one quoted: they are why
         # the figure is smaller than what the researcher may see free on the dashboard.
         holds = [
             f"{r.node} is held for {r.job_id}/{r.step}, which is {'first' if i == 0 else 'ahead'} in line"
             for i, r in enumerate(self._reservations)
-            if self._free.free_count(r.node) > block
+            if self._free.free_for(r.node, gib) > block
         ]
         return f"{reason} ({'; '.join(holds)})" if holds else reason
+
+    def _memory_blocked(self, need: int, gib: float) -> str | None:
+        """The reason when GPU memory, not the GPU count, holds the step back (None: it does not:
+        it would not fit even on GPUs with memory to spare)."""
+        count_ok = need <= self._free.largest_free_block(self._reserved_nodes) or (
+            need <= self._free.largest_capacity() and need > self._free.largest_capacity(gib)
+        )
+        if not count_ok:
+            return None
+        lendable = self._free.largest_capacity(gib)
+        block = self._free.largest_free_block(self._reserved_nodes, gib)
+        if lendable < need:  # not even once every step now running is done: say which GPUs lack it
+            short = self._free.memory_shortfall(gib, free_only=False)
+            tail = (
+                f"no node has {_count(need, 'GPU')} with that much that can be lent now"
+                if lendable == 0
+                else f"at most {_count(lendable, 'GPU')} with that much on any node can be lent now"
+            )
+        else:
+            short = self._free.memory_shortfall(gib, self._reserved_nodes)
+            tail = f"largest free block with that much is {block}"
+        detail = f"{'; '.join(short)}; " if short else ""
+        return f"needs {placement.gib(gib)} GiB per GPU ({_count(need, 'GPU')} on one node): {detail}{tail}"
 
 
 # --- wording -------------------------------------------------------------------------------------

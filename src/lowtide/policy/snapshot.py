@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from lowtide.domain.gpus import GpuRef, Node
+from lowtide.policy.lending import GpuShare
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,7 @@ class QueuedStep:
     preempted: bool = False  # requeued after preemption: goes to the head of its priority class
     retry_note: str = ""  # e.g. "attempt 2 of 3", shown in the waiting reason during backoff
     owner: str = ""  # who submitted the job (per-user limits of CPU-only steps)
+    gpu_memory_gib: float | None = None  # GiB each of its GPUs must have free (None: no need)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -64,6 +66,9 @@ class Snapshot:
     unavailable: frozenset[GpuRef] = frozenset()
     #: Per team: GPU-seconds used recently, already decayed to `now` (see policy.fairshare).
     team_usage: Mapping[str, float] = field(default_factory=dict)
+    #: Lendable GPUs a sleeping replica still holds memory on, and the memory left there
+    #: (`policy.lending.gpu_shares`); placement reads it (`policy.placement`). Read-only.
+    gpu_shares: Mapping[GpuRef, GpuShare] = field(default_factory=dict)
 
     @property
     def total_gpus(self) -> int:

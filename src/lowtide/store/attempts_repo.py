@@ -126,6 +126,8 @@ class AttemptsRepo(StoreBase):
                     jobs.c.priority,
                     jobs.c.submitted_at,
                     jobs.c.owner,
+                    # In the resolved step's document (no column): NULL when not declared.
+                    steps.c.resolved["gpu_memory_gib"].as_float(),
                 )
                 .select_from(steps.join(jobs, jobs.c.id == steps.c.job_id))
                 .where(steps.c.state.in_(_QUEUED))
@@ -750,6 +752,7 @@ def _queued_step(
     priority: int,
     submitted_at: float,
     owner: str,
+    gpu_memory_gib: float | None,
 ) -> QueuedStep:
     """`attempt_rules.queued_step` of one row of `snapshot`'s queued query, column by column."""
     return rules.queued_step(
@@ -765,6 +768,7 @@ def _queued_step(
         priority=priority,
         submitted_at=submitted_at,
         owner=owner,
+        gpu_memory_gib=gpu_memory_gib,
     )
 
 

@@ -28,6 +28,8 @@ def resolved_to_doc(r: ResolvedStep) -> dict[str, Any]:
         "checkpoint_dir": r.checkpoint_dir,
         # By reference only (docs/architecture.md §11): names, never values.
         "secrets": [{"name": u.name, "env": u.env} for u in r.secrets],
+        # Only when declared: the snapshot reads it from this document (no column of its own).
+        **({} if r.gpu_memory_gib is None else {"gpu_memory_gib": r.gpu_memory_gib}),
     }
 
 
@@ -42,6 +44,7 @@ def resolved_from_doc(doc: Mapping[str, Any]) -> ResolvedStep:
         outputs=doc["outputs"],
         checkpoint_dir=doc.get("checkpoint_dir"),
         secrets=tuple(SecretUse(u["name"], u.get("env")) for u in doc.get("secrets") or ()),
+        gpu_memory_gib=doc.get("gpu_memory_gib"),
     )
 
 

@@ -268,6 +268,7 @@ class MemoryBase:
                     priority=job.priority,
                     submitted_at=job.submitted_at,
                     owner=job.owner,
+                    gpu_memory_gib=step.resolved.get("gpu_memory_gib"),
                 ),
             )
         else:
