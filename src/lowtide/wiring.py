@@ -453,6 +453,7 @@ def build(settings: Settings, *, clock: Clock | None = None) -> Embedded:
         secret_rules={n: SecretRule(c.env, tuple(c.teams)) for n, c in settings.secrets.items()},
         max_steps_per_job=settings.scheduler.max_steps_per_job,
         store_unhealthy_after_s=settings.api.store_unhealthy_after,
+        logs=argo_pod_logs(settings) if settings.executor.kind == "argo" else None,
         extra={
             "session_key_file": str(state / "session.key"),  # the dashboard's cookies (api.session)
             "dashboard_origins": tuple(settings.api.dashboard_origins),  # api.session's origin check
@@ -722,6 +723,21 @@ def k8s_event_recorder(settings: Settings) -> Any:
         return EventRecorder(kube_api_client(kubeconfig, setting="Kubernetes Events"))
     except ServeError:
         return None
+
+
+def argo_pod_logs(settings: Settings) -> Any:
+    """The log port in cluster mode (`adapters.argo.pod_logs.PodLogReader`; docs/cluster.md
+    "Logs"): each attempt's log read from its pod through the Kubernetes API, on its own client
+    from the executor's kubeconfig (`argo.kubeconfig`, else in-cluster credentials, else
+    KUBECONFIG). Raises ConfigError naming the setting, as the executor does."""
+    from lowtide.adapters.argo.pod_logs import PodLogReader  # noqa: PLC0415 - cluster mode only
+
+    if settings.argo.kubeconfig is None:
+        return PodLogReader(kube_api_client(setting="executor.kind: argo"))
+    try:
+        return PodLogReader(kube_api_client(settings.argo.kubeconfig, setting="argo.kubeconfig"))
+    except ServeError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def build_argo_executor(

@@ -52,9 +52,11 @@ def test_a_two_step_job_runs_through_the_gate_and_survives_a_restart(w: World) -
     w.h.executor = w.executor()
     report = w.h.restart()
     assert report.adopted == (prep.id,) and report.lost == ()
-    # Launched before its pod existed, its handle named the step; adopted, it names the pod.
-    assert prep.handle == f"{NS}/@{job}/prep"
-    assert w.h.store.attempt(prep.id).handle == f"{NS}/{pod['metadata']['name']}/{pod['metadata']['uid']}"
+    # Launched before its pod existed, its handle named the step; the pod's name and uid reached
+    # the store with its start (the log port reads that pod), and adoption keeps them.
+    ref = f"{NS}/{pod['metadata']['name']}/{pod['metadata']['uid']}"
+    assert prep.handle == ref
+    assert w.h.store.attempt(prep.id).handle == ref
     # The API server goes away for a while: the loop goes on, nothing is lost or done twice.
     w.cluster.stop_listening()
     for _ in range(3):

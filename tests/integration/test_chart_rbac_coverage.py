@@ -23,7 +23,9 @@ scenarios, run in turn on the fake clock, together cover lowtide's cluster surfa
   EndpointSlices, a steered HPA, a steered KEDA ScaledObject, a hung replica's pod deleted, a
   refused HPA (a repeated Warning: an Event series) until its owner removes it, a restart (adopt,
   reap_orphans);
-- the Lease elector (`adapters.k8s_lease`): acquire (get 404, create), renew (update).
+- the Lease elector (`adapters.k8s_lease`): acquire (get 404, create), renew (update);
+- lowtide's API reading a running step's log from its pod (`adapters.argo.pod_logs`: pods/log
+  get, and pods get for its uid), as `lowtide logs JOB STEP` does.
 
 The admin token (`adminToken.existingSecret`) is mounted as a file and read from
 `auth.admin_token_source` (deploy/manifests.py `ADMIN_TOKEN_DIR`), and the store URL reaches the
@@ -47,6 +49,7 @@ from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
+from fastapi.testclient import TestClient
 from kubernetes import client
 
 from argo_sim import ArgoSim, Script
@@ -55,9 +58,11 @@ from k8s_deploy_sim import DeploymentSim, SimClock, deployment
 from k8sfake import FakeCluster
 from k8sfake.server import RequestRecord
 from lowtide.adapters.argo.executor import ArgoExecutor
+from lowtide.adapters.argo.pod_logs import PodLogReader
 from lowtide.adapters.k8s_events import EventRecorder
 from lowtide.adapters.k8s_lease import KubeLeaseElector
 from lowtide.adapters.k8s_services import DeploymentTarget, KubernetesServiceManager
+from lowtide.api.app import ApiContext, create_app
 from lowtide.control.clock import FakeClock
 from lowtide.control.inference_ports import ReplicaEvent, ReplicaLaunch
 from lowtide.deploy.chart import GrantedRule, load_chart, rbac_rules, render
@@ -221,6 +226,23 @@ class ArgoPart:
         return bool(attempts) and attempts[-1].state == AttemptState.RUNNING
 
 
+def read_log_through_the_api(argo: ArgoPart, job: str, step: str, handle: str) -> None:
+    """`lowtide logs JOB STEP`: lowtide's API reads the step's log from its pod (pods/log get,
+    then pods get: the uid check of `adapters.argo.pod_logs`)."""
+    pod = handle.split("/")[1]
+    argo.cluster.set_pod_log(NS, pod, "epoch 1\n")
+    ctx = ApiContext(
+        store=argo.store,  # type: ignore[arg-type]  # the log endpoint's reads only
+        clock=argo.clock,
+        nodes=NODES,
+        layout=LAYOUT,
+        auth_enabled=False,
+        logs=PodLogReader(argo.cluster.api_client(SA_TOKEN)),
+    )
+    answer = TestClient(create_app(ctx)).get(f"/v1/jobs/{job}/steps/{step}/logs")
+    assert (answer.status_code, answer.text) == (200, "epoch 1\n")
+
+
 def argo_scenarios(argo: ArgoPart) -> None:
     # Deferred by another namespace's pod on the node (the fit check), tick after tick: one
     # AdmissionDeferred Event and its series.
@@ -248,7 +270,8 @@ def argo_scenarios(argo: ArgoPart) -> None:
     # it), nothing reaped.
     argo.run(lambda: argo.running(sft) and argo.attempts(sft)[-1].step_name == "train")
     train = argo.attempts(sft)[-1]
-    assert "/@" not in str(train.handle)  # a pod's name and uid, read back at adoption
+    assert "/@" not in str(train.handle)  # a pod's name and uid, recorded with its start
+    read_log_through_the_api(argo, sft, "train", train.handle)
     argo.h.executor.close()
     argo.h.executor = argo.executor()
     report = argo.h.restart()

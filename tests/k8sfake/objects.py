@@ -252,6 +252,7 @@ class Store:
         self._window = window
         self._horizon = 0  # highest resourceVersion no longer in the event log
         self._watchers: list[_Watcher] = []
+        #: (namespace, pod uid, container) -> its log (`FakeCluster.set_pod_log`).
         self.logs: dict[tuple[str, str, str], str] = {}
 
     # ---------------------------------------------------------------- basics

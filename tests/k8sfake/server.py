@@ -33,7 +33,7 @@ from typing import Any
 import uvicorn
 from kubernetes import client
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from . import errors as apierr
 from .objects import BY_KEY, KINDS, Kind, Store, kind_for
@@ -378,7 +378,7 @@ class FakeApiServer:
         q = request.query_params
         if verb == "get":
             if t.subresource == "log":
-                return self._log(t, q.get("container"), _int(q.get("tailLines"), "tailLines"))
+                return self._log(t, q)
             obj = self.store.get(t.kind, t.namespace, t.name)
             return JSONResponse(self._scale(t.kind, obj) if t.subresource == "scale" else obj)
         if verb == "list":
@@ -499,7 +499,31 @@ class FakeApiServer:
         )
         return StreamingResponse(stream, media_type="application/json")
 
-    def _log(self, t: _Target, container: str | None, tail: int | None) -> Response:
+    def _log(self, t: _Target, q: Any) -> Response:
+        """pods/log as kubernetes commit 000f2605 answers it: options validated first
+        (pkg/apis/core/validation `ValidatePodLogOptions`: limitBytes and tailLines must be > 0
+        and >= 0, else 422), a missing pod 404, the container named or the only one, else 400
+        (pkg/registry/core/pod/strategy.go `LogLocation`), a pod on no node yet 204 with no body
+        (`LogLocation` gives no location; handlers/responsewriters `StreamObject`), then the
+        kubelet's `validateContainerLogStatus` (pkg/kubelet/kubelet_pods.go): no status of the
+        container 400 "is not available", a waiting one 400 "is waiting to start: <reason>"
+        (ErrImagePull "image can't be pulled", ImagePullBackOff "trying and failing to pull
+        image"). The log is the pod's own (the kubelet keeps it under the pod's uid, so a new
+        pod of the same name starts empty); limitBytes cuts it at that many bytes.
+        sinceSeconds, sinceTime, timestamps and previous are refused (not modelled)."""
+        container = q.get("container")
+        tail = _int(q.get("tailLines"), "tailLines")
+        limit = _int(q.get("limitBytes"), "limitBytes")
+        for unsupported in ("sinceSeconds", "sinceTime", "previous", "timestamps"):
+            if q.get(unsupported) not in (None, "", "false"):
+                raise apierr.bad_request(f"{unsupported} is not supported by the fake API server (k8sfake)")
+        bad = []
+        if limit is not None and limit < 1:
+            bad.append(apierr.FieldError("limitBytes", "Invalid", "must be greater than 0", limit))
+        if tail is not None and tail < 0:
+            bad.append(apierr.FieldError("tailLines", "Invalid", "must be greater than or equal to 0", tail))
+        if bad:
+            raise apierr.invalid("PodLogOptions", "", t.name, bad)
         pod = self.store.get(t.kind, t.namespace, t.name)
         names = [c.get("name") for c in (pod.get("spec") or {}).get("containers") or []]
         if container is None:
@@ -511,17 +535,28 @@ class FakeApiServer:
             container = str(names[0])
         elif container not in names:
             raise apierr.bad_request(f"container {container} is not valid for pod {t.name}")
-        text = self.store.logs.get((t.namespace, t.name, container))
+        if not (pod.get("spec") or {}).get("nodeName"):
+            return Response(status_code=204)
+        text = self.store.logs.get((t.namespace, pod["metadata"]["uid"], container))
         if text is None:
-            if (pod.get("status") or {}).get("phase", "Pending") == "Pending":
-                raise apierr.bad_request(
-                    f'container "{container}" in pod "{t.name}" is waiting to start: ContainerCreating'
-                )
+            statuses = (pod.get("status") or {}).get("containerStatuses") or []
+            status = next((c for c in statuses if c.get("name") == container), None)
+            where = f'container "{container}" in pod "{t.name}"'
+            if status is None:
+                raise apierr.bad_request(f"{where} is not available")
+            waiting = (status.get("state") or {}).get("waiting")
+            if waiting is not None:
+                reason = {
+                    "ErrImagePull": "image can't be pulled",
+                    "ImagePullBackOff": "trying and failing to pull image",
+                }.get(waiting.get("reason", ""), waiting.get("reason", ""))
+                raise apierr.bad_request(f"{where} is waiting to start: {reason}")
             text = ""
         if tail is not None:
             lines = text.splitlines(keepends=True)
             text = "".join(lines[-tail:]) if tail > 0 else ""
-        return PlainTextResponse(text)
+        data = text.encode()
+        return Response(data if limit is None else data[:limit], media_type="text/plain")
 
     @staticmethod
     def _scale(kind: Kind, obj: Obj) -> Obj:
@@ -831,10 +866,11 @@ class FakeCluster:
         return self.modify("pods", namespace, name, bind)
 
     def set_pod_log(self, namespace: str, name: str, text: str, container: str | None = None) -> None:
+        """The log of the pod now named `name` (kept under its uid: a new pod of that name has none)."""
         pod = self.get("pods", namespace, name)
         if container is None:
             container = str(pod["spec"]["containers"][0]["name"])
-        self.store.logs[(namespace, name, container)] = text
+        self.store.logs[(namespace, pod["metadata"]["uid"], container)] = text
 
     def compact(self) -> None:
         self.store.compact()

@@ -1,14 +1,14 @@
 """The chart's rendered RBAC enforced by the fake API server: enough for lowtide, nothing more.
 
 Requirements from the cluster-mode issue (least privilege): workflows create/get/list/patch;
-pods get/list/watch/patch/delete; the step tokens' Secrets create/patch (never get/list); in each
-service's namespace its Deployment's scale get/update (by name), pods list/watch/patch/delete, HPAs
-and ScaledObjects list (update/patch with steer), EndpointSlices list/watch (with
-endpoint_service); the steps' ServiceAccount only workflowtaskresults; leases; nodes get/patch;
-pods list cluster-wide (the node fit check, `adapters.k8s_nodes`) and nothing else on pods
-outside the Argo namespace; no pods/exec, no pods/log, no Secret read, no Workflow watch or
-delete, no node list or watch (lowtide makes none of these requests: measured by
-tests/integration/test_chart_rbac_coverage.py).
+pods get/list/watch/patch/delete; pods/log get (a step's log); the step tokens' Secrets
+create/patch (never get/list); in each service's namespace its Deployment's scale get/update
+(by name), pods list/watch/patch/delete, HPAs and ScaledObjects list (update/patch with steer),
+EndpointSlices list/watch (with endpoint_service); the steps' ServiceAccount only
+workflowtaskresults; leases; nodes get/patch; pods list cluster-wide (the node fit check,
+`adapters.k8s_nodes`) and nothing else on pods outside the Argo namespace; no pods/exec, no
+pods/log elsewhere, no Secret read, no Workflow watch or delete, no node list or watch (lowtide
+makes none of these requests: measured by tests/integration/test_chart_rbac_coverage.py).
 Requests go through the real client with the ServiceAccount's token; the fake answers 403
 exactly as kube-apiserver would.
 """
@@ -119,6 +119,9 @@ def test_chart_rbac_grants_what_lowtide_needs(cluster: FakeCluster, sa: tuple[cl
     )
     lease.spec.holder_identity = "b"
     leases.replace_namespaced_lease("lowtide-leader", RELEASE.namespace, lease)
+    # A step's log, for `lowtide logs` (adapters.argo.pod_logs): its pod's main container.
+    cluster.set_pod_log(ns, "step", "ok\n")
+    core.read_namespaced_pod_log("step", ns, container="main", limit_bytes=10, _preload_content=False)
     core.delete_namespaced_pod("step", ns)
 
     # The service manager, in the service's namespace (adapters.k8s_services): its Deployment's
@@ -193,12 +196,7 @@ def test_chart_rbac_refuses_everything_else(cluster: FakeCluster, sa: tuple[clie
     forbidden(lambda: core.create_namespaced_secret("serving", {"metadata": {"name": "x"}}))
     forbidden(lambda: core.delete_node("gpu-1"))
     forbidden(core.list_node)  # read one by one (get), never listed or watched
-    # No container log is read through the API (no log reader uses pods/log); Workflows are
-    # stopped (patch), never deleted.
-    cluster.set_pod_log(ns, "step", "ok\n")
-    assert 'cannot get resource "pods/log"' in forbidden(
-        lambda: core.read_namespaced_pod_log("step", ns, _preload_content=False)
-    )
+    # Workflows are stopped (patch), never deleted.
     forbidden(
         lambda: client.CustomObjectsApi(api).delete_namespaced_custom_object(
             "argoproj.io", "v1alpha1", ns, "workflows", "job-1"
@@ -211,6 +209,10 @@ def test_chart_rbac_refuses_everything_else(cluster: FakeCluster, sa: tuple[clie
     # Pods outside the Argo namespace: listed (the fit check), never read one by one or changed.
     cluster.create("pods", "kube-system", pod("dns"))
     forbidden(lambda: core.read_namespaced_pod("dns", "kube-system"))
+    assert 'cannot get resource "pods/log"' in forbidden(  # logs only of steps' pods
+        lambda: core.read_namespaced_pod_log("dns", "kube-system", _preload_content=False)
+    )
+    forbidden(lambda: core.read_namespaced_pod_log("vllm-0", "serving", _preload_content=False))
     forbidden(lambda: core.patch_namespaced_pod("dns", "kube-system", {"metadata": {"labels": {"a": "b"}}}))
     forbidden(lambda: core.delete_namespaced_pod("dns", "kube-system"))
     forbidden(lambda: core.list_pod_for_all_namespaces(watch=True, timeout_seconds=1))

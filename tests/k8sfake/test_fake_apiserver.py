@@ -673,10 +673,32 @@ def test_lease_update_is_optimistic(cluster: FakeCluster) -> None:
 
 def test_pod_logs(cluster: FakeCluster, core: client.CoreV1Api) -> None:
     core.create_namespaced_pod(NS, pod("step"))
+    # On no node yet: 204, no body (strategy.go LogLocation gives no location).
+    unbound = core.read_namespaced_pod_log("step", NS, _preload_content=False)
+    assert unbound.status == 204 and unbound.data == b""
+    cluster.bind_pod(NS, "step", "n1")
+    with pytest.raises(ApiException) as exc:  # the kubelet has no status of the container yet
+        core.read_namespaced_pod_log("step", NS)
+    assert exc.value.status == 400
+    assert status_of(exc.value)["message"] == 'container "main" in pod "step" is not available'
+
+    def waiting(p: dict[str, Any]) -> None:
+        waiting = {"waiting": {"reason": "ImagePullBackOff"}}
+        main = {"name": "main", "image": "img:1", "imageID": "", "ready": False, "restartCount": 0}
+        p["status"]["containerStatuses"] = [{**main, "state": waiting}]
+
+    cluster.modify("pods", NS, "step", waiting)
     with pytest.raises(ApiException) as exc:
         core.read_namespaced_pod_log("step", NS)
-    assert exc.value.status == 400 and "is waiting to start" in status_of(exc.value)["message"]
+    assert exc.value.status == 400 and status_of(exc.value)["message"] == (
+        'container "main" in pod "step" is waiting to start: trying and failing to pull image'
+    )
     cluster.set_pod_log(NS, "step", "one\ntwo\nthree\n")
+    limited = core.read_namespaced_pod_log("step", NS, limit_bytes=5, _preload_content=False)
+    assert limited.data == b"one\nt"  # cut at the byte, not the line
+    with pytest.raises(ApiException) as exc:
+        core.read_namespaced_pod_log("step", NS, limit_bytes=0)
+    assert exc.value.status == 422 and "limitBytes: Invalid value: 0" in status_of(exc.value)["message"]
     raw = core.read_namespaced_pod_log("step", NS, _preload_content=False)
     assert raw.data.decode() == "one\ntwo\nthree\n"
     assert core.read_namespaced_pod_log("step", NS, tail_lines=1, _preload_content=False).data == b"three\n"
@@ -686,6 +708,16 @@ def test_pod_logs(cluster: FakeCluster, core: client.CoreV1Api) -> None:
     with pytest.raises(ApiException) as exc:
         core.read_namespaced_pod_log("step", NS, container="nope")
     assert exc.value.status == 400
+    assert status_of(exc.value)["message"] == "container nope is not valid for pod step"
+    # The kubelet keeps a log under its pod's uid: a new pod of the same name has none of it.
+    core.delete_namespaced_pod("step", NS, grace_period_seconds=0)
+    core.create_namespaced_pod(NS, pod("step", nodeName="n1"))
+    with pytest.raises(ApiException) as exc:
+        core.read_namespaced_pod_log("step", NS)
+    assert exc.value.status == 400 and "is not available" in status_of(exc.value)["message"]
+    with pytest.raises(ApiException) as exc:
+        core.read_namespaced_pod_log("gone", NS)
+    assert exc.value.status == 404
 
 
 def test_put_of_a_client_built_pod_is_defaulted_like_the_api(core: client.CoreV1Api) -> None:

@@ -542,9 +542,10 @@ def expected_rules(namespace: str, argo_ns: str) -> set[GrantedRule]:
 
     return {
         # Every rule is used by lowtide (tests/integration/test_chart_rbac_coverage.py): no
-        # Workflow watch or delete, no pods/log, no Secret read, no node list or watch.
+        # Workflow watch or delete, no Secret read, no node list or watch.
         rule(argo_ns, "argoproj.io", "workflows", "create get list patch"),
         rule(argo_ns, "", "pods", "get list watch patch delete"),
+        rule(argo_ns, "", "pods/log", "get"),  # a step's log for `lowtide logs` (adapters.argo.pod_logs)
         rule(argo_ns, "events.k8s.io", "events", "create patch"),  # Kubernetes Events about its pods
         rule(argo_ns, "", "secrets", "create patch"),  # the step tokens' Secrets: no get, no list
         rule(namespace, "coordination.k8s.io", "leases", "get create update"),
@@ -587,7 +588,9 @@ def test_rbac_has_no_wildcards_exec_or_other_secrets(chart: Any) -> None:
         ("list",)
     }
     workloads = {g.resources for g in rbac_rules(objects) if g.namespace == "no"}
-    assert ("workflows",) in workloads and ("pods/log",) not in workloads
+    assert ("workflows",) in workloads and ("pods/log",) in workloads
+    # A container's log only in the Argo namespace: never a service's pods' or any other's.
+    assert {g.namespace for g in rbac_rules(objects) if "pods/log" in g.resources} == {"no"}
 
 
 def test_each_service_gets_exactly_what_its_settings_need_in_its_own_namespace(chart: Any) -> None:

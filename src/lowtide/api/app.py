@@ -43,7 +43,7 @@ from lowtide.api.metrics import LoopStatus, metrics_text
 from lowtide.control.clock import Clock
 from lowtide.control.contract import parse_checkpoint_label
 from lowtide.control.inference import InferenceController
-from lowtide.control.log_port import AttemptLogRef, LogReader
+from lowtide.control.log_port import AttemptLogRef, LogLoss, LogReader, LogUnreadable
 from lowtide.control.records import (
     AttemptRecord,
     IdempotencyConflict,
@@ -135,6 +135,15 @@ class ApiContext:
     @property
     def max_gpus_per_node(self) -> int:
         return max((n.gpu_count for n in self.nodes), default=0)
+
+    @property
+    def max_gpu_memory_gib(self) -> float | None:
+        """The largest GPU memory of the nodes, when every node's is known (bounds a step's
+        `gpu_memory_gib` at submission); None otherwise."""
+        sizes = [n.gpu_memory_gib for n in self.nodes]
+        if not sizes or any(m is None for m in sizes):
+            return None
+        return max(m for m in sizes if m is not None)
 
 
 def _ctx(request: Request) -> ApiContext:
@@ -242,6 +251,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
                 templates=ctx.templates,
                 param_overrides=overrides,
                 max_gpus_per_node=ctx.max_gpus_per_node,
+                max_gpu_memory_gib=ctx.max_gpu_memory_gib,
                 max_steps_per_job=ctx.max_steps_per_job,
                 default_team=who.default_team,
                 override_locs=locs,
@@ -410,6 +420,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
             spec = build_job_spec(
                 dict(job.spec),
                 max_gpus_per_node=ctx.max_gpus_per_node,
+                max_gpu_memory_gib=ctx.max_gpu_memory_gib,
                 max_steps_per_job=ctx.max_steps_per_job,
                 param_overrides=overrides,
                 override_locs=locs,
@@ -453,7 +464,12 @@ def create_app(ctx: ApiContext) -> FastAPI:
     @v1.get(
         "/jobs/{job_id}/steps/{step}/logs",
         response_class=PlainTextResponse,
-        responses={404: {"model": schemas.ErrorOut}, 200: {"content": {"text/plain": {}}}},
+        responses={
+            404: {"model": schemas.ErrorOut},
+            410: {"model": schemas.ErrorOut},
+            503: {"model": schemas.ErrorOut},
+            200: {"content": {"text/plain": {}}},
+        },
         summary="A step attempt's output (the latest attempt unless ?attempt=N); ?follow=true streams",
     )
     def step_logs(
@@ -483,26 +499,40 @@ def create_app(ctx: ApiContext) -> FastAPI:
                 [("query.attempt", f"attempts: 1..{attempts[-1].number}")],
             )
         ref = AttemptLogRef(job_id, step, chosen.number, chosen.handle)
-        if not follow:
-            return PlainTextResponse(_read_from(ctx.log_reader(), ref, offset))
-        return StreamingResponse(_follow(ref, offset, chosen.id), media_type="text/plain; charset=utf-8")
-
-    def _follow(ref: AttemptLogRef, offset: int, attempt_id: int) -> Iterator[bytes]:
         logs = ctx.log_reader()
-        pos = offset
-        while True:
-            chunk = logs.read(ref, pos)
-            if chunk:
-                pos += len(chunk)
-                yield chunk
-                continue
-            state = ctx.store.attempt(attempt_id).state
-            if state not in ACTIVE_ATTEMPT_STATES:
-                tail = logs.read(ref, pos)
-                if tail:
-                    yield tail
-                return
-            time.sleep(ctx.log_poll_s)
+        first = _read_log(logs, ref, offset)
+        if not first and (why := _log_lost(logs, ref)) is not None:
+            # A cluster log lives as long as its pod (control.log_port): say so, not "".
+            raise ApiError(410, "gone", why, [("path.step", "log deleted with its pod")])
+        if not follow:
+            return PlainTextResponse(_read_from(logs, ref, offset, first))
+        return StreamingResponse(
+            _follow(ref, offset, first, chosen.id), media_type="text/plain; charset=utf-8"
+        )
+
+    def _follow(ref: AttemptLogRef, offset: int, first: bytes, attempt_id: int) -> Iterator[bytes]:
+        logs = ctx.log_reader()
+        pos = offset + len(first)
+        if first:
+            yield first
+        try:
+            while True:
+                chunk = _read_log(logs, ref, pos)
+                if chunk:
+                    pos += len(chunk)
+                    yield chunk
+                    continue
+                state = ctx.store.attempt(attempt_id).state
+                if state not in ACTIVE_ATTEMPT_STATES:
+                    tail = _read_log(logs, ref, pos)
+                    if tail:
+                        yield tail
+                    elif (why := _log_lost(logs, ref)) is not None:
+                        yield f"\n[lowtide] {why}\n".encode()  # the pod went while it was followed
+                    return
+                time.sleep(ctx.log_poll_s)
+        except ApiError as exc:  # the answer has begun: the reason is the stream's last line
+            yield f"\n[lowtide] {exc.message}\n".encode()
 
     def own_running_attempt(who: Principal, job_id: str, step: str, people_refused: str) -> AttemptRecord:
         """The step's running attempt, asked for by its own step token or an admin: 403 for
@@ -830,10 +860,29 @@ def _found(fn: Callable[[], _T]) -> _T:
         raise ApiError(404, "not_found", str(exc)) from exc
 
 
-def _read_from(logs: LogReader, ref: AttemptLogRef, offset: int) -> str:
-    chunks = []
-    pos = offset
-    while chunk := logs.read(ref, pos):
+def _read_log(logs: LogReader, ref: AttemptLogRef, offset: int) -> bytes:
+    """`logs.read`, a reader's `LogUnreadable` (e.g. a missing RBAC rule) as a 503 naming it."""
+    try:
+        return logs.read(ref, offset)
+    except LogUnreadable as exc:
+        raise ApiError(503, "log_unreadable", str(exc)) from exc
+
+
+def _log_lost(logs: LogReader, ref: AttemptLogRef) -> str | None:
+    """Why the log is gone for good, for a reader that can tell (`LogLoss`); else None."""
+    if not isinstance(logs, LogLoss):
+        return None
+    try:
+        return logs.lost(ref)
+    except LogUnreadable as exc:
+        raise ApiError(503, "log_unreadable", str(exc)) from exc
+
+
+def _read_from(logs: LogReader, ref: AttemptLogRef, offset: int, first: bytes) -> str:
+    """The log from `offset`, whose first read gave `first` (empty: that is all there is now)."""
+    chunks = [first]
+    pos = offset + len(first)
+    while first and (chunk := _read_log(logs, ref, pos)):
         chunks.append(chunk)
         pos += len(chunk)
     return b"".join(chunks).decode("utf-8", errors="replace")

@@ -153,10 +153,13 @@ class AttemptExit:
 
 @dataclass(frozen=True, slots=True)
 class AttemptStarted:
-    """A pending attempt began to run at `at` (its image pulled, its pod running)."""
+    """A pending attempt began to run at `at` (its image pulled, its pod running). `handle`: what
+    runs it, when that is known only now (a pod claimed after `launch` returned a pending handle):
+    the loop records it, so the log port and a restart find the pod."""
 
     attempt_id: int
     at: float
+    handle: AttemptHandle | None = None
 
 
 @dataclass(frozen=True, slots=True)

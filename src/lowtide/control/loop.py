@@ -219,6 +219,8 @@ class ControlLoop:
         self._unrecorded_lost: dict[int, float] = {}
         #: Pending attempts the executor saw begin to run, not yet recorded (a store outage).
         self._unrecorded_started: dict[int, float] = {}
+        #: Of those, handles the executor learnt after launch (a pod claimed later): kept with the start.
+        self._started_handles: dict[int, AttemptHandle] = {}
         #: Cancelled jobs whose steps got notice, to end in the executor now (`_end_jobs`); memory
         #: only: once CANCELLED the store lists them anyway (`jobs_to_end`).
         self._cancelling_to_end: set[str] = set()
@@ -309,6 +311,8 @@ class ControlLoop:
         )
         for started in polled.started:  # kept until recorded: the executor reports a start once
             self._unrecorded_started[started.attempt_id] = started.at
+            if started.handle is not None:
+                self._started_handles[started.attempt_id] = started.handle
         for attempt_id, running_at in list(self._unrecorded_started.items()):
             if not report.store_unavailable:
                 self._record_running(attempt_id, running_at, report)
@@ -343,8 +347,9 @@ class ControlLoop:
                 if inference is not None
                 else frozenset(g for n in self.settings.nodes for g in n.refs())
             )
-            snapshot = replace(snapshot, unavailable=unavailable)
             self._gpu_shares = inference.gpu_shares if inference is not None else {}
+            # Placement reads the memory left on GPUs under sleeping replicas (policy.placement).
+            snapshot = replace(snapshot, unavailable=unavailable, gpu_shares=self._gpu_shares)
             if inference is not None:
                 report.active = inference.changed
                 if inference.next_due is not None:
@@ -517,8 +522,12 @@ class ControlLoop:
 
     def _record_running(self, attempt_id: int, at: float, report: TickReport) -> None:
         """Record that a pending attempt began to run (retried every tick until the store has it)."""
+        handle = self._started_handles.get(attempt_id)
         try:
-            self.store.mark_running(attempt_id, at)
+            if handle is None:
+                self.store.mark_running(attempt_id, at)
+            else:  # the handle and the start in one write
+                self.store.record_launch(attempt_id, AttemptHandle(handle.ref, handle.started_at, at))
             self._budgets.pop(attempt_id, None)  # its walltime runs from now: read it again
         except StoreUnavailable:
             report.store_failed()
@@ -528,6 +537,7 @@ class ControlLoop:
             log.exception("recording the start of attempt %s failed; retrying every tick", attempt_id)
             return
         self._unrecorded_started.pop(attempt_id, None)
+        self._started_handles.pop(attempt_id, None)
 
     def _record_lost(self, attempt_id: int, now: float, report: TickReport) -> None:
         """Record an attempt lost while the control plane was down (retried every tick until

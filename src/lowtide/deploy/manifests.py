@@ -304,10 +304,11 @@ def _priority_classes(
 #: The Role in the Argo namespace: (apiGroup, resource, verbs) exactly as the chart grants them.
 #: Workflows: created, read, listed (recovery), patched (`spec.shutdown: Stop`); never watched or
 #: deleted. Pods: read (adoption), listed and watched (`adapters.k8s_watch`), patched (admission),
-#: deleted (notice, reaping). No pods/log: no log reader of lowtide reads a container's log.
+#: deleted (notice, reaping). pods/log: a step's log read for the API (`adapters.argo.pod_logs`).
 WORKLOAD_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("argoproj.io", "workflows", ("create", "get", "list", "patch")),
     ("", "pods", ("get", "list", "watch", "patch", "delete")),
+    ("", "pods/log", ("get",)),
     # Kubernetes Events about its pods (`adapters.k8s_events`, events.k8s.io/v1): created, and a
     # repeated one's series patched.
     ("events.k8s.io", "events", ("create", "patch")),

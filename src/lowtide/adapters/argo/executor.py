@@ -45,8 +45,10 @@ Mechanism:
   retry used, placed again after a backoff), at a `poll` the attempt ends UNSCHEDULABLE with the
   same words (requeued, no retry). Each poll then reconciles the labels from its pod list.
 - **Handles**: `<namespace>/<pod name>/<pod uid>`; `<namespace>/@<job id>/<step label>` while no
-  pod is claimed yet (the store keeps the handle of the launch; a restart resolves it again
-  by labels). The uid makes a re-created pod of the same name a different attempt.
+  pod is claimed yet (the store keeps the handle of the launch until the pod runs: the start,
+  `AttemptStarted.handle`, brings the pod's, which the log port `pod_logs` reads; a restart
+  before that resolves it again by labels). The uid makes a re-created pod of the same name a
+  different attempt.
 - **Running and exits**: each `poll` reads this installation's pods (label `lowtide.io/job`)
   from a watch cache (below, "Pods from a watch"). A pod phase
   Running is the start (`PollReport.started`). A finished pod's exit is read from its Argo node
@@ -661,7 +663,7 @@ class ArgoExecutor:
             t.node_id = pods.pod_node_id(pod)
         if phase == "Running" and not t.running:
             t.running = True
-            started.append(AttemptStarted(t.attempt_id, now))
+            started.append(AttemptStarted(t.attempt_id, now, self._handle(t)))  # the pod, for the store
         overdue = (
             t.deadline is not None
             and now >= t.deadline + self._settings.grace_margin_seconds + self._kill_margin
