@@ -31,6 +31,8 @@ this run's marker variable (step shims and trainers, which outlive the control p
 replica shims if any survived) is killed by process group, and the run fails if one is left.
 
 Run:  .venv/bin/python benchmarks/reclaim.py [--surges 50] [--park stop,sleep]
+With PYTHONPATH set (e.g. to a frozen copy of src/ while the tree is being edited) the steps get it
+too (`executor.env_allowlist`), so the server, its replicas and the trainers run the same code.
 Writes benchmarks/results/reclaim.json. Not a test: nothing here asserts a time (docs/architecture.md §10).
 """
 
@@ -190,14 +192,16 @@ class Server:
 
 
 def write_config(workdir: Path, setup: Setup, park: str, api_port: int, gw_port: int, base: int) -> Path:
+    allowlist = [MARKER_ENV, *(["PYTHONPATH"] if os.environ.get("PYTHONPATH") else [])]
     config: dict[str, Any] = {
         "state_dir": "state",
         "tick_seconds": setup.tick_s,
         "nodes": [{"name": "n1", "gpus": setup.nodes_gpus}],
         "api": {"host": "127.0.0.1", "port": api_port},
         "auth": {"enabled": False},
-        # Steps get a clean environment: let the run's marker through, so cleanup finds them.
-        "executor": {"checkpoint_poll": "1s", "retry_backoff": "1s", "env_allowlist": [MARKER_ENV]},
+        # Steps get a clean environment: let the run's marker through, so cleanup finds them, and
+        # PYTHONPATH when set, so steps run the same lowtide as the server (e.g. a frozen copy).
+        "executor": {"checkpoint_poll": "1s", "retry_backoff": "1s", "env_allowlist": allowlist},
         "services": [
             {
                 "name": SERVICE,
