@@ -62,7 +62,6 @@ Must not: admit, delete or evict pods, touch a node outside lowtide's config, re
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -73,6 +72,7 @@ from kubernetes import client
 from kubernetes.utils import parse_quantity
 
 from lowtide.adapters.argo import k8s_errors, pods
+from lowtide.adapters.kube_client import response_object
 from lowtide.control.executor_port import ExecutorError
 
 __all__ = [
@@ -335,7 +335,7 @@ class NodeLending:
             if k8s_errors.status_of(exc) == 404:
                 return None
             raise self._error(exc, "get", "nodes", f"(node {name})") from exc
-        return _json(response)
+        return response_object(response)
 
     def _pods_on(self, node: str) -> list[Obj]:
         try:
@@ -344,7 +344,7 @@ class NodeLending:
             )
         except Exception as exc:
             raise self._error(exc, "list", "pods", "in all namespaces") from exc
-        return [p for p in _json(response).get("items") or [] if isinstance(p, dict)]
+        return [p for p in response_object(response).get("items") or [] if isinstance(p, dict)]
 
     # -- the fit check and the hold before an admission ----------------------------------------
 
@@ -510,11 +510,3 @@ class NodeLending:
                     self._known[node] = None  # unknown: written again at the next poll
             else:
                 self._write_said.pop(node, None)
-
-
-def _json(response: Any) -> Obj:
-    data = response.data if hasattr(response, "data") else response
-    doc = json.loads(data) if isinstance(data, bytes | str) else data
-    if not isinstance(doc, dict):
-        raise ValueError("the API answered something that is not an object")
-    return doc

@@ -1,5 +1,5 @@
 """The Kubernetes client, configured once for every cluster-mode adapter (the Argo executor, the
-Kubernetes service manager, the Lease elector).
+Kubernetes service manager, the Lease elector), and reading its raw answers (`response_object`).
 
 Credentials: a given kubeconfig file; else the pod's ServiceAccount when running in a cluster
 (`KUBERNETES_SERVICE_HOST` set); else `KUBECONFIG` (or ~/.kube/config). `KUBECONFIG` is read at
@@ -12,6 +12,7 @@ client costs ~0.6 s).
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -61,3 +62,13 @@ def default_namespace() -> str:
     except (k8s_config.ConfigException, OSError):
         return "default"
     return str((active or {}).get("context", {}).get("namespace") or "default")
+
+
+def response_object(response: Any) -> dict[str, Any]:
+    """The JSON object of an API answer read with `_preload_content=False` (its `.data` bytes), or
+    of an already decoded one. Raises ValueError when the answer is not a JSON object."""
+    data = response.data if hasattr(response, "data") else response
+    doc = json.loads(data) if isinstance(data, bytes | str) else data
+    if not isinstance(doc, dict):
+        raise ValueError("the API answered something that is not an object")
+    return doc

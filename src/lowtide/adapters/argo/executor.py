@@ -136,6 +136,7 @@ from lowtide.adapters.argo.workflow_store import KubernetesWorkflows, WorkflowEx
 from lowtide.adapters.k8s_events import EventSink, EventType, Regarding
 from lowtide.adapters.k8s_nodes import NodeBusy, NodeLending, pod_gpus
 from lowtide.adapters.k8s_watch import Informer, compare_resource_versions
+from lowtide.adapters.kube_client import response_object
 from lowtide.control.executor_port import (
     AdoptOutcome,
     AdoptRequest,
@@ -324,7 +325,7 @@ class ArgoExecutor:
         """Remember the resourceVersion of lowtide's own pod write (a pod in the answer), for the
         next read to wait for; an answer without one (a Status) leaves nothing to wait for."""
         try:
-            rv = str((_json(response).get("metadata") or {}).get("resourceVersion") or "")
+            rv = str((response_object(response).get("metadata") or {}).get("resourceVersion") or "")
         except ValueError:
             return
         if compare_resource_versions(rv, rv) is None:  # none, or not comparable: nothing to wait for
@@ -798,7 +799,7 @@ class ArgoExecutor:
         self, request: AdoptRequest, handle: AttemptHandle, name: str, uid: str, now: float
     ) -> AdoptResult:
         try:
-            pod: Obj | None = _json(
+            pod: Obj | None = response_object(
                 self._core.read_namespaced_pod(
                     name, self._ns, _request_timeout=self._timeout, _preload_content=False
                 )
@@ -992,13 +993,3 @@ def _newer(a: str, b: str) -> bool:
     """`a` is a later resourceVersion than `b` (KEP-5504 comparable versions; `k8s_watch`)."""
     order = compare_resource_versions(a, b)
     return order is not None and order > 0
-
-
-def _json(response: Any) -> Obj:
-    import json  # noqa: PLC0415 - only here
-
-    data = response.data if hasattr(response, "data") else response
-    doc = json.loads(data) if isinstance(data, bytes | str) else data
-    if not isinstance(doc, dict):
-        raise ValueError("the API answered something that is not an object")
-    return doc
