@@ -6,13 +6,16 @@ checkpoint can be due instead of recomputing them every tick. The inference deci
 last GPUs research may not use (`_not_offered`, by value over frozen copies; `_all_offered`, the
 shortcut when every idle GPU is offered), the running steps' GPUs (`_step_gpus`, by the identity
 of the kept tuple), and `gpu_shares`, the autoscaler's sums and the research offer were rewritten
-for speed. Each is checked here against the plain computation, over sequences where the
-remembered value would go stale if it were kept too long.
+for speed. The simulator's metrics hand back the same replica-signals tuple while the load and
+the replicas stay the same, and the autoscaler keeps its sums for a repeated tuple (`_sums`).
+Each is checked here against the plain computation, over sequences where the remembered value
+would go stale if it were kept too long.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import astuple, replace
 
 import pytest
 from builders import running, snapshot
@@ -22,13 +25,16 @@ from hypothesis import strategies as st
 from lowtide.control.executor_port import LaunchRequest
 from lowtide.control.inference_ports import ReplicaLaunch
 from lowtide.domain.gpus import GpuRef, Node
-from lowtide.domain.metrics import ReplicaSignals
+from lowtide.domain.metrics import ReplicaSignals, ServiceSignals
+from lowtide.domain.services import AutoscaleTargets, ServiceSpec
 from lowtide.policy import inference as decide
-from lowtide.policy.autoscale import _total
+from lowtide.policy.autoscale import ReplicaSupply, _total, decide_scale, initial_state
 from lowtide.policy.lending import GpuShare, gpu_shares
 from lowtide.policy.placement import FreeGpus
 from lowtide.policy.replicas import research_offer
-from lowtide.sim.ports import ReplicaTimes, SimExecutor, SimServiceManager, StepBehaviour
+from lowtide.sim.capacity import derive_replica_capacity, service_signals
+from lowtide.sim.load import LoadCurve
+from lowtide.sim.ports import ReplicaTimes, SimExecutor, SimMetrics, SimServiceManager, StepBehaviour
 
 
 def test_free_gpus_follow_a_new_unavailable_set_on_the_same_nodes() -> None:
@@ -249,3 +255,63 @@ def test_sim_service_manager_earliest_event_matches_a_recount(ops: list[tuple[st
             assert [e.replica_id for e in manager.poll(now)] == due  # every event due, in id order
         plain = min((r.due for r in manager.replicas.values() if r.due is not None), default=None)
         assert manager.next_event() == plain
+
+
+def _figures(signals: ServiceSignals) -> list[tuple[object, ...]]:
+    """Each replica's signals but their `at` (the kept tuple carries the tick that built it)."""
+    return [astuple(replace(r, at=0.0)) for r in signals.replicas]
+
+
+def test_sim_metrics_hand_back_the_figures_a_fresh_build_gives_through_load_and_replica_changes() -> None:
+    capacity = derive_replica_capacity(100.0, 1000, 250, replicas_at_peak=9, target_concurrency=32.0)
+    curve = LoadCurve(
+        starts=(0.0, 600.0, 1200.0), rates=(40.0, 40.0, 90.0), prompt_tokens=1000, output_tokens=250
+    )
+    metrics = SimMetrics(curve, capacity, start=0.0)
+    steps = [
+        (10.0, ["a", "b"]),
+        (20.0, ["a", "b"]),  # the same load and replicas: kept
+        (30.0, ["b", "c"]),  # the same count, other replicas: the ids must follow
+        (700.0, ["b", "c"]),  # the same rate in the next segment
+        (1300.0, ["b", "c"]),  # a new rate: new figures
+        (1310.0, ["b", "c", "d"]),  # a new replica count: new figures
+    ]
+    kept = []
+    for now, ids in steps:
+        got = metrics.collect("llm", {i: "serving" for i in ids}, now)
+        load = metrics._last[4] if metrics._last is not None else None
+        assert load is not None
+        fresh = service_signals("llm", load, sorted(ids), now)
+        assert got.at == now and got.service == "llm"
+        assert [r.replica for r in got.replicas] == sorted(ids)
+        assert _figures(got) == _figures(fresh)
+        kept.append(got.replicas)
+    assert kept[1] is kept[0]  # nothing changed: the same tuple
+    assert kept[2] is not kept[1]
+    assert _figures(metrics.collect("llm", {"b": "", "c": "", "d": ""}, 1320.0)) == _figures(
+        service_signals("llm", metrics._last[4], ["b", "c", "d"], 1320.0)  # type: ignore[index]
+    )
+
+
+def test_the_autoscaler_answers_the_same_on_a_kept_signals_tuple_and_follows_a_new_one() -> None:
+    spec = ServiceSpec(
+        name="llm",
+        model="m",
+        gpus_per_replica=4,
+        min_replicas=1,
+        max_replicas=20,
+        autoscale=AutoscaleTargets(concurrency_per_replica=10.0, ttft_p90_slo_s=2.0),
+    )
+    busy = tuple(ReplicaSignals(replica=f"r{i}", at=0.0, running=30.0, waiting=5.0) for i in range(2))
+    quiet = tuple(replace(r, running=1.0, waiting=0.0) for r in busy)
+    supply = ReplicaSupply(serving=2)
+    state = initial_state(spec)
+    first = decide_scale(spec, ServiceSignals("llm", 0.0, busy), supply, state, 0.0)
+    again = decide_scale(spec, ServiceSignals("llm", 0.0, busy), supply, state, 0.0)
+    assert again == first  # the caller's appended phrases did not leak into what is kept
+    other = decide_scale(spec, ServiceSignals("llm", 0.0, quiet), supply, state, 0.0)
+    assert other.needed != first.needed
+    failed = decide_scale(spec, ServiceSignals("llm", 0.0, busy, source_error="down"), supply, state, 0.0)
+    assert failed.unknown and not first.unknown
+    stale = tuple(replace(r, stale=True) for r in busy)
+    assert decide_scale(spec, ServiceSignals("llm", 0.0, stale), supply, state, 0.0).unknown

@@ -101,6 +101,7 @@ from typing import cast
 
 from lowtide.domain.metrics import ReplicaSignals, ServiceSignals
 from lowtide.domain.services import AutoscaleTargets, ServiceSpec
+from lowtide.policy.memo import Last
 
 #: Float noise allowance for ceilings and the tolerance band (0.8 × 3 / 0.8 is not exactly 3).
 _EPS = 1e-9
@@ -190,10 +191,7 @@ def decide_scale(
     keep = max(t.scale_up_window_s, t.scale_down_stabilization_s)
     history = tuple((at, r) for at, r in state.history if at >= now - keep)
 
-    fresh: list[ReplicaSignals] = [] if signals.source_error else [r for r in signals.replicas if not r.stale]
-    n_stale = len(signals.replicas) - len(fresh)
-    totals = _totals(spec, fresh)
-    per_signal, parts = _signals(spec, totals)
+    fresh, n_stale, totals, per_signal, parts = _sums(spec, signals)
     known = [v for v in per_signal.values() if v is not None]
 
     if not known:
@@ -404,6 +402,29 @@ def _record_step(
 
 
 # -- the signals --------------------------------------------------------------------------------
+
+
+_Sums = tuple[tuple[ReplicaSignals, ...], int, dict[str, float | None], dict[str, int | None], list[str]]
+#: The last `_sums` answer, kept with the spec and the replicas' signals tuple it came from (both
+#: immutable, a hit checked by identity: `policy.memo`): a metrics source that hands back the same
+#: tuple while its figures stay the same (the simulator's) is summed once per change.
+_last_sums: Last[tuple[ServiceSpec, tuple[ReplicaSignals, ...], bool, _Sums]] = Last()
+
+
+def _sums(spec: ServiceSpec, signals: ServiceSignals) -> _Sums:
+    """The fresh replicas, how many are stale, Σ of each signal, the replicas each asks for and
+    their phrases (fresh copies of the mutable parts: the caller appends to the phrases)."""
+    error = bool(signals.source_error)
+    last = _last_sums.entry
+    if last is not None and last[0] is spec and last[1] is signals.replicas and last[2] == error:
+        fresh, n_stale, totals, per_signal, parts = last[3]
+    else:
+        fresh = () if error else tuple([r for r in signals.replicas if not r.stale])
+        n_stale = len(signals.replicas) - len(fresh)
+        totals = _totals(spec, fresh)
+        per_signal, parts = _signals(spec, totals)
+        _last_sums.entry = (spec, signals.replicas, error, (fresh, n_stale, totals, per_signal, parts))
+    return fresh, n_stale, dict(totals), dict(per_signal), list(parts)
 
 
 def _totals(spec: ServiceSpec, fresh: Sequence[ReplicaSignals]) -> dict[str, float | None]:

@@ -9,7 +9,8 @@ resumed attempt starts from the checkpoint the store told it about (`LOWTIDE_RES
 real step would, never from the simulator's own memory.
 `SimServiceManager` implements `control.inference_ports.ServiceManager`: a cold start is healthy
 after `startup_s`, a wake after `wake_s`, a park completes after `park_s`; events carry their exact
-time. `SimMetrics` implements `MetricsSource` from `sim.capacity` at the load curve's current rate.
+time. `SimMetrics` implements `MetricsSource` from `sim.capacity` at the load curve's current rate
+(the same tuple of replica signals while the modelled load and the serving replicas stay the same).
 Each port also says when its next event is due (`next_event`), so the simulator can jump to it.
 Neighbours: `sim.world` builds and drives them. Must not: decide anything (the production loop
 does), read the wall clock, or import real adapters.
@@ -32,7 +33,7 @@ from lowtide.control.executor_port import (
 )
 from lowtide.control.inference_ports import ReplicaEvent, ReplicaLaunch
 from lowtide.control.ports import PathStat
-from lowtide.domain.metrics import ServiceSignals
+from lowtide.domain.metrics import ReplicaSignals, ServiceSignals
 from lowtide.domain.services import ParkMode
 from lowtide.sim.capacity import (
     ModelledLoad,
@@ -339,6 +340,14 @@ class SimMetrics:
     _last: tuple[ReplicaCapacity, ServiceLoadState, float, int, ModelledLoad] | None = field(
         default=None, init=False, repr=False, compare=False
     )
+    # The last replicas' signals and what they were built from (the load, the replica ids): while
+    # both stay the same, the figures are the same, so the tuple is handed out again. Their `at`
+    # is then the tick that built them (when these figures began), not this tick: nothing on the
+    # decision path reads a `ReplicaSignals.at` (`policy.autoscale` and `policy.inference` read the
+    # figures and `stale`; `control.load_history` reads the `ServiceSignals.at`, which is `now`).
+    _last_signals: tuple[ModelledLoad, frozenset[str], tuple[ReplicaSignals, ...]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def collect(self, service: str, replicas: Mapping[str, str], now: float) -> ServiceSignals:
         rate, n = self.curve.rate_at(now - self.start), len(replicas)
@@ -348,7 +357,13 @@ class SimMetrics:
         else:
             load = current_load(self.state, self.capacity, rate, n)
             self._last = (self.capacity, self.state, rate, n, load)
-        return service_signals(service, load, tuple(sorted(replicas)), now)
+        ids = frozenset(replicas)
+        kept = self._last_signals
+        if kept is not None and kept[0] is load and kept[1] == ids:
+            return ServiceSignals(service=service, at=now, replicas=kept[2])
+        signals = service_signals(service, load, tuple(sorted(ids)), now)
+        self._last_signals = (load, ids, signals.replicas)
+        return signals
 
 
 class NoArtifacts:
