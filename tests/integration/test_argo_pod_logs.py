@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 import lowtide.cli.main as cli_main
 from argo_sim import Script
 from argo_world import LAYOUT, NODES, NS, World, argo_world, two_steps
+from lowtide.adapters.argo import pods
 from lowtide.adapters.argo.executor import parse_ref
 from lowtide.adapters.argo.pod_logs import PodLogReader
 from lowtide.api.app import ApiContext, create_app
@@ -112,6 +113,25 @@ def test_a_running_steps_log_is_read_from_its_pod_with_offsets_and_followed(w: W
     assert not follower.is_alive() and got["r"].status_code == 200
     assert got["r"].text == "a\nb\n"
     assert logs(c, job, follow=True, offset=2).text == "b\n"  # a finished attempt's pod still there
+
+
+def test_a_pod_that_ran_and_ended_between_two_polls_still_shows_its_log(w: World) -> None:
+    c = api(w)
+    job = w.h.submit(one_step())
+    w.sim.script(job, "t", Script(run_s=0))  # it exits as soon as it runs
+    w.run(lambda: any(not pods.is_gated(p) for p in w.cluster.list("pods", NS)))  # admitted
+    (pod,) = w.cluster.list("pods", NS)
+    name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
+    assert attempt(w, job).state == AttemptState.PENDING  # no poll saw it Running, nor will
+    w.sim.step()  # the kubelet runs it
+    w.cluster.set_pod_log(NS, name, "all done\n")
+    w.sim.step()  # it ends, and Argo records its node, before the loop polls again
+    assert pods.pod_phase(w.cluster.get("pods", NS, name)) == "Succeeded"
+    w.run(lambda: w.job_state(job) == "SUCCEEDED")
+    att = attempt(w, job)
+    assert att.handle == f"{NS}/{name}/{uid}"  # the exit brought the pod, not `@<job>/<step>`
+    assert att.state == AttemptState.SUCCEEDED and att.running_at is not None
+    assert logs(c, job).text == "all done\n"
 
 
 def test_a_finished_attempt_whose_pod_was_deleted_answers_gone(w: World) -> None:

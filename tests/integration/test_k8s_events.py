@@ -376,7 +376,8 @@ def test_the_executor_says_deferred_then_admitted_then_notice_on_the_pod(argo: A
     argo.cluster.finish_pod_deletion(SERVING, "chat-vllm-7f9c")
     argo.run(lambda: argo.attempts(job)[-1].state == AttemptState.RUNNING)
     running = argo.attempts(job)[-1]
-    argo.h.executor.notify_stop(running.id, argo.clock.now() + 30, argo.clock.now())  # the loop's notice
+    argo.store.request_preemption(running.id, grace_s=30, reason="GPUs reclaimed", now=argo.clock.now())
+    argo.h.tick()  # the loop's notice, with its reason
     assert argo.events.flush(WAIT_S)
     said = about(argo.cluster, NS, "Pod", name)
     assert said[0] == (
@@ -385,8 +386,38 @@ def test_the_executor_says_deferred_then_admitted_then_notice_on_the_pod(argo: A
         "node n1: 1 of 4 GPUs free (serving/chat-vllm-7f9c holds 3); the step needs 2",
     )
     assert said[1][:2] == ("Normal", "Admitted") and "onto node n1 with 2 GPUs" in said[1][2]
-    assert said[2][:2] == ("Normal", "StopNotice") and "within 30s" in said[2][2]
+    assert said[2][:2] == ("Normal", "Preempting")
+    assert said[2][2].startswith("GPUs reclaimed: notice: SIGTERM now") and "within 30s" in said[2][2]
     assert all(e["regarding"]["uid"] == uid for e in events_in(argo.cluster, NS))
+
+
+@pytest.mark.parametrize(
+    ("why", "reason", "words"),
+    [
+        ("cancel", "Cancelling", "job cancelled: notice"),
+        ("walltime", "WalltimeExceeded", "walltime limit reached: notice"),
+        ("none", "StopNotice", "notice"),
+    ],
+)
+def test_a_notice_event_says_why_the_loop_gave_it(argo: ArgoWorld, why: str, reason: str, words: str) -> None:
+    doc = one_step(1)
+    doc["grace_seconds"] = 30
+    if why == "walltime":
+        doc["steps"][0]["timeout"] = 20
+    job = argo.h.submit(doc)
+    argo.sim.script(job, "t", Script(run_s=600))
+    argo.run(lambda: argo.attempts(job)[-1].state == AttemptState.RUNNING)
+    name = argo.pod()["metadata"]["name"]
+    if why == "none":  # a caller that gives no reason (the port's default)
+        argo.h.executor.notify_stop(argo.attempts(job)[-1].id, argo.clock.now() + 30, argo.clock.now())
+    else:
+        if why == "cancel":
+            argo.store.request_cancel(job, by="alice", now=argo.clock.now())
+        argo.run(lambda: argo.attempts(job)[-1].state == AttemptState.STOPPING)
+    assert argo.events.flush(WAIT_S)
+    (notice,) = [e for e in about(argo.cluster, NS, "Pod", name) if e[1] != "Admitted"]
+    assert notice[:2] == ("Normal", reason)
+    assert notice[2].startswith(words) and "within 30s" in notice[2]
 
 
 @pytest.mark.parametrize("argo", [{"image_pull_bound_s": 0.0}], indirect=True)

@@ -387,9 +387,7 @@ class LocalExecutor:
 
     # -- stop -----------------------------------------------------------------------------
 
-    def notify_stop(
-        self, attempt_id: int, deadline: float, now: float, *, reason: str = "stop requested"
-    ) -> None:
+    def notify_stop(self, attempt_id: int, deadline: float, now: float, *, reason: str | None = None) -> None:
         watch = self._watched.get(attempt_id)
         if watch is None:
             if attempt_id in self._exited:
@@ -406,7 +404,7 @@ class LocalExecutor:
             "deadline": deadline + skew,
             "deadline_iso": datetime.fromtimestamp(deadline + skew, UTC).isoformat(),
             "grace_seconds": max(0.0, deadline - now),
-            "reason": reason,
+            "reason": reason or "stop requested",
             "given_at": now + skew,
         }
         try:

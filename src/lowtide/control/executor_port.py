@@ -25,6 +25,14 @@ from lowtide.domain.exit_reasons import ExitReason
 
 __all__ = ["ExitReason"]  # re-exported: executors name reasons through the port
 
+#: Why the loop gives notice (`Executor.notify_stop`'s `reason`): its GPUs are reclaimed (a
+#: preemption, `control.reclaimer`), its job was cancelled, or its step's walltime is spent. An
+#: executor may say so to the step (the local notice file's `reason`) or to the cluster (the Argo
+#: executor's Event reason); any other text is passed through as words.
+NOTICE_PREEMPTED = "GPUs reclaimed"
+NOTICE_CANCELLED = "job cancelled"
+NOTICE_WALLTIME = "walltime limit reached"
+
 
 class ExecutorError(Exception):
     """A launch or stop that did not happen. `temporary` errors may succeed if retried later.
@@ -139,6 +147,10 @@ class AttemptExit:
     #: The executor's own words (a pod's status message, "Unschedulable: 0/3 nodes are available"),
     #: kept with the attempt for the user.
     detail: str | None = None
+    #: What ran it, when known only now and not reported by a start (`AttemptStarted.handle`): a
+    #: pod that ran and ended between two polls. The loop records it with the exit, so the log
+    #: port finds the pod. None: the handle the store has stands.
+    handle: AttemptHandle | None = None
 
     def effective_reason(self) -> ExitReason:
         """`reason`, or what the code and signal say when the executor gave none."""
@@ -200,10 +212,12 @@ class Executor(Protocol):
         `running_at` None). Raises ExecutorError."""
         ...
 
-    def notify_stop(self, attempt_id: int, deadline: float, now: float) -> None:
+    def notify_stop(self, attempt_id: int, deadline: float, now: float, *, reason: str | None = None) -> None:
         """Give notice: tell the step its deadline (locally: the notice file and SIGTERM to its
         process group; a pod: a graceful delete). The executor kills it at `deadline` during a
-        later `poll`. A pending attempt is simply withdrawn (it reports an exit without a code)."""
+        later `poll`. A pending attempt is simply withdrawn (it reports an exit without a code).
+        `reason`: why (`NOTICE_PREEMPTED`, `NOTICE_CANCELLED`, `NOTICE_WALLTIME`; None: not said),
+        for the executor to pass on; it changes nothing in how the attempt is stopped."""
         ...
 
     def poll(self, now: float) -> PollReport:

@@ -45,6 +45,9 @@ from lowtide.control.checkpoint_check import choose_for_launch, resume_crash_dec
 from lowtide.control.clock import Clock
 from lowtide.control.contract import parse_checkpoint_label, step_environment
 from lowtide.control.executor_port import (
+    NOTICE_CANCELLED,
+    NOTICE_PREEMPTED,
+    NOTICE_WALLTIME,
     AdoptOutcome,
     AdoptRequest,
     AttemptExit,
@@ -486,9 +489,16 @@ class ControlLoop:
 
     def _on_exit(self, ex: AttemptExit, now: float) -> None:
         ctx = self.store.exit_context(ex.attempt_id)
-        if ctx.attempt_state == AttemptState.PENDING and (ex.exit_code is not None or ex.signal is not None):
-            # It ran (it has an exit status) but its start was never recorded: from its launch.
-            self.store.mark_running(ex.attempt_id, ctx.started_at if ctx.started_at is not None else now)
+        # It ran (it has an exit status) but its start was never recorded: from its launch.
+        has_status = ex.exit_code is not None or ex.signal is not None
+        ran = ctx.attempt_state == AttemptState.PENDING and has_status
+        running_at = (ctx.started_at if ctx.started_at is not None else now) if ran else None
+        if ex.handle is not None:  # known only now (a pod that ran between two polls): one write
+            handle = AttemptHandle(ex.handle.ref, ex.handle.started_at, running_at)
+            self.store.record_launch(ex.attempt_id, handle)
+        elif running_at is not None:
+            self.store.mark_running(ex.attempt_id, running_at)
+        if ran:  # its state moved to RUNNING
             ctx = self.store.exit_context(ex.attempt_id)
         ex = replace(ex, ended_at=self._control_time(ex, ctx, now), wall_clock=False)
         self._read_latest(ctx, ex.ended_at)
@@ -641,12 +651,12 @@ class ControlLoop:
         return True
 
     def _give_notice(self, attempt_id: int, grace: float, step_state: StepState, now: float) -> None:
-        reason = "job cancelled" if step_state == StepState.CANCELLING else "GPUs reclaimed"
+        reason = NOTICE_CANCELLED if step_state == StepState.CANCELLING else NOTICE_PREEMPTED
         deadline = now + grace
         # Notice first, then the record: a crash in between re-sends notice, never kills unwarned.
         # The lease is checked just before (a stale leader's record would be refused too late).
         self._check_lease()
-        self.executor.notify_stop(attempt_id, deadline, now)
+        self.executor.notify_stop(attempt_id, deadline, now, reason=reason)
         self.store.mark_stopping(
             attempt_id, deadline=deadline, reason=f"{reason}: notice given, deadline in {grace:g}s", now=now
         )
@@ -699,7 +709,7 @@ class ControlLoop:
         deadline = now + budget.grace_s
         # Notice first, then the record (as `_give_notice`): a crash in between re-sends notice.
         self._check_lease()
-        self.executor.notify_stop(budget.attempt_id, deadline, now)
+        self.executor.notify_stop(budget.attempt_id, deadline, now, reason=NOTICE_WALLTIME)
         try:
             self.store.mark_stopping(
                 budget.attempt_id, deadline=deadline, reason=walltime.stop_reason(budget), now=now

@@ -148,7 +148,7 @@ class SimExecutor:
         self.launches += 1
         return AttemptHandle(f"sim/{request.attempt_id}", now, now)  # loading counts as running
 
-    def notify_stop(self, attempt_id: int, deadline: float, now: float) -> None:
+    def notify_stop(self, attempt_id: int, deadline: float, now: float, *, reason: str | None = None) -> None:
         att = self.running.get(attempt_id)
         if att is None or att.notice_ckpt is not None or att.killed or att.exit_code != 0:
             return

@@ -98,7 +98,7 @@ class FakeExecutor:
         self.running[request.attempt_id].running = running
         return AttemptHandle(f"fake/{request.attempt_id}", now, now if running else None)
 
-    def notify_stop(self, attempt_id: int, deadline: float, now: float) -> None:
+    def notify_stop(self, attempt_id: int, deadline: float, now: float, *, reason: str | None = None) -> None:
         if attempt_id in self.unacked:
             return  # ended already; its exit waits for the store
         proc = self.running[attempt_id]

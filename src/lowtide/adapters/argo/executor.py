@@ -47,8 +47,10 @@ Mechanism:
 - **Handles**: `<namespace>/<pod name>/<pod uid>`; `<namespace>/@<job id>/<step label>` while no
   pod is claimed yet (the store keeps the handle of the launch until the pod runs: the start,
   `AttemptStarted.handle`, brings the pod's, which the log port `pod_logs` reads; a restart
-  before that resolves it again by labels). The uid makes a re-created pod of the same name a
-  different attempt.
+  before that resolves it again by labels). An attempt whose pod ran and ended between two polls
+  reports no start: its exit carries the pod's handle instead (`AttemptExit.handle`, set on any
+  exit of a claimed pod whose start was not reported). The uid makes a re-created pod of the same
+  name a different attempt.
 - **Running and exits**: each `poll` reads this installation's pods (label `lowtide.io/job`)
   from a watch cache (below, "Pods from a watch"). A pod phase
   Running is the start (`PollReport.started`). A finished pod's exit is read from its Argo node
@@ -106,8 +108,10 @@ timeout (`k8s_watch`), during which the cache looks current but misses changes.
 
 Kubernetes Events (with `events`, `adapters.k8s_events`; docs/cluster.md "Kubernetes Events"), on
 the pod: Warning ``AdmissionDeferred`` (the NodeBusy words), Normal ``Admitted`` (node, GPUs),
-Normal ``StopNotice`` (the port's `notify_stop` does not say whether it is a preemption, a cancel
-or a walltime) or ``Withdrawn``, Warning ``ImagePullGaveUp`` / ``UnschedulableGaveUp``.
+a notice by the loop's reason (`notify_stop`'s `reason`, `NOTICE_REASONS`): Normal ``Preempting``
+(GPUs reclaimed), ``Cancelling`` (job cancelled), ``WalltimeExceeded`` (walltime), else
+``StopNotice``, the reason in the note; or Normal ``Withdrawn`` (a pod not running yet), Warning
+``ImagePullGaveUp`` / ``UnschedulableGaveUp``.
 """
 
 from __future__ import annotations
@@ -115,7 +119,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kubernetes import client
@@ -138,6 +142,9 @@ from lowtide.adapters.k8s_nodes import NodeBusy, NodeLending, pod_gpus
 from lowtide.adapters.k8s_watch import Informer, compare_resource_versions
 from lowtide.adapters.kube_client import response_object
 from lowtide.control.executor_port import (
+    NOTICE_CANCELLED,
+    NOTICE_PREEMPTED,
+    NOTICE_WALLTIME,
     AdoptOutcome,
     AdoptRequest,
     AdoptResult,
@@ -156,6 +163,12 @@ log = logging.getLogger(__name__)
 
 _STRATEGIC = "application/strategic-merge-patch+json"
 _TERMINAL_WF = frozenset({"Succeeded", "Failed", "Error"})
+#: The Event reason of a notice, by the loop's reason for it (any other: ``StopNotice``).
+NOTICE_REASONS = {
+    NOTICE_PREEMPTED: "Preempting",
+    NOTICE_CANCELLED: "Cancelling",
+    NOTICE_WALLTIME: "WalltimeExceeded",
+}
 #: Argo's label naming the Workflow of a pod (argo-workflows workflow/common/common.go `LabelKeyWorkflow`).
 WORKFLOW_LABEL = "workflows.argoproj.io/workflow"
 
@@ -584,7 +597,7 @@ class ArgoExecutor:
                 log.info("attempt %s: admission deferred: %s", t.attempt_id, exc)
         return self._handle(t)
 
-    def notify_stop(self, attempt_id: int, deadline: float, now: float) -> None:
+    def notify_stop(self, attempt_id: int, deadline: float, now: float, *, reason: str | None = None) -> None:
         if attempt_id in self._unacked:
             return
         t = self._attempts.get(attempt_id)
@@ -607,7 +620,9 @@ class ArgoExecutor:
         note = (
             f"notice: SIGTERM now, to stop within {deadline - now:.0f}s (grace {self._grace(deadline, now)}s)"
         )
-        self._event(t.pod, t.uid, "Normal", "StopNotice", note)
+        if reason:
+            note = f"{reason}: {note}"
+        self._event(t.pod, t.uid, "Normal", NOTICE_REASONS.get(reason or "", "StopNotice"), note)
         t.delete_due = deadline
         if self._delete_pod(t, self._grace(deadline, now)):
             t.delete_due = None
@@ -740,6 +755,8 @@ class ArgoExecutor:
         )
 
     def _exit(self, t: _Attempt, ex: AttemptExit) -> None:
+        if not t.running and t.pod is not None and t.uid is not None:
+            ex = replace(ex, handle=self._handle(t))  # no start reported it: the exit brings the pod
         self._unacked[t.attempt_id] = ex
 
     def ack_exit(self, attempt_id: int) -> None:
