@@ -25,6 +25,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from k8sfake import FakeCluster
+from lowtide.control.inference_ports import ReplicaLaunch
 
 Obj = dict[str, Any]
 POD_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
@@ -316,3 +317,21 @@ def _run(p: Obj, ip: str) -> None:
             "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}},
         }
     ]
+
+
+def replica_launch(slot: int, *, service: str = "chat", health_timeout_s: float = 120.0) -> ReplicaLaunch:
+    """What the control loop asks the service manager to start for `service/slot` (the command,
+    port and GPUs are the Deployment's in Kubernetes: only the id, service and timeout matter)."""
+    return ReplicaLaunch(
+        replica_id=f"{service}/{slot}",
+        service=service,
+        model="m",
+        node="gpu-a",
+        gpus=(slot,),
+        port=8000,
+        command=("vllm", "serve"),
+        env={},
+        work_dir="",
+        log_path="",
+        health_timeout_s=health_timeout_s,
+    )

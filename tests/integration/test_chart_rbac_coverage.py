@@ -54,7 +54,7 @@ from kubernetes import client
 
 from argo_sim import ArgoSim, Script
 from argo_world import LAYOUT, NS, ROOT, SETTINGS, T0, settling
-from k8s_deploy_sim import DeploymentSim, SimClock, deployment
+from k8s_deploy_sim import DeploymentSim, SimClock, deployment, replica_launch
 from k8sfake import FakeCluster
 from k8sfake.server import RequestRecord
 from lowtide.adapters.argo.executor import ArgoExecutor
@@ -300,19 +300,7 @@ def argo_scenarios(argo: ArgoPart) -> None:
 
 
 def launch(service: str, slot: int) -> ReplicaLaunch:
-    return ReplicaLaunch(
-        replica_id=f"{service}/{slot}",
-        service=service,
-        model="m",
-        node="gpu-a",
-        gpus=(slot,),
-        port=8000,
-        command=("vllm", "serve"),
-        env={},
-        work_dir="",
-        log_path="",
-        health_timeout_s=600.0,
-    )
+    return replica_launch(slot, service=service, health_timeout_s=600.0)
 
 
 class ServicePart:

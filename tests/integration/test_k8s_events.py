@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from argo_sim import ArgoSim, Script
-from k8s_deploy_sim import DeploymentSim, SimClock, deployment
+from k8s_deploy_sim import DeploymentSim, SimClock, deployment, replica_launch
 from k8sfake import ADMIN_TOKEN, FakeCluster
 from lowtide.adapters.argo.executor import ArgoExecutor
 from lowtide.adapters.argo.workflow import ArgoSettings
@@ -446,19 +446,7 @@ def test_a_403_on_events_does_not_stop_admission(argo: ArgoWorld, caplog: pytest
 
 
 def launch(slot: int) -> ReplicaLaunch:
-    return ReplicaLaunch(
-        replica_id=f"chat/{slot}",
-        service="chat",
-        model="m",
-        node="gpu-a",
-        gpus=(slot,),
-        port=8000,
-        command=("vllm", "serve"),
-        env={},
-        work_dir="",
-        log_path="",
-        health_timeout_s=600.0,
-    )
+    return replica_launch(slot, health_timeout_s=600.0)
 
 
 class ServiceWorld:

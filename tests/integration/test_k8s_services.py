@@ -23,7 +23,7 @@ import yaml
 from kubernetes import client
 from pydantic import ValidationError
 
-from k8s_deploy_sim import POD_DELETION_COST, DeploymentSim, SimClock, deployment
+from k8s_deploy_sim import POD_DELETION_COST, DeploymentSim, SimClock, deployment, replica_launch
 from k8sfake import ADMIN_TOKEN, FakeCluster
 from lowtide.adapters.k8s_services import (
     CHOSEN_COST,
@@ -108,19 +108,7 @@ class World:
 
 
 def launch(slot: int, timeout: float = 120.0) -> ReplicaLaunch:
-    return ReplicaLaunch(
-        replica_id=f"chat/{slot}",
-        service="chat",
-        model="m",
-        node="gpu-a",
-        gpus=(slot,),
-        port=8000,
-        command=("vllm", "serve"),
-        env={},
-        work_dir="",
-        log_path="",
-        health_timeout_s=timeout,
-    )
+    return replica_launch(slot, health_timeout_s=timeout)
 
 
 def kinds(events: list[ReplicaEvent]) -> list[tuple[str, str]]:

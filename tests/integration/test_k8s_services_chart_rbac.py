@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from k8s_deploy_sim import DeploymentSim, SimClock, deployment
+from k8s_deploy_sim import DeploymentSim, SimClock, deployment, replica_launch
 from k8sfake import FakeCluster
 from lowtide.adapters.k8s_services import DeploymentTarget, KubernetesServiceManager
 from lowtide.control.inference_ports import ReplicaEvent, ReplicaLaunch
@@ -36,19 +36,7 @@ def chart_objects(on_autoscaler: str) -> list[dict[str, Any]]:
 
 
 def launch(slot: int) -> ReplicaLaunch:
-    return ReplicaLaunch(
-        replica_id=f"chat/{slot}",
-        service="chat",
-        model="m",
-        node="gpu-a",
-        gpus=(slot,),
-        port=8000,
-        command=("vllm", "serve"),
-        env={},
-        work_dir="",
-        log_path="",
-        health_timeout_s=120.0,
-    )
+    return replica_launch(slot)
 
 
 def hpa() -> dict[str, Any]:
