@@ -157,7 +157,9 @@ def test_scale_up_reports_healthy_replicas_at_their_pod_addresses(world: World) 
         assert world.manager.url(rid) == f"http://{pod['status']['podIP']}:8000"
         assert pod["metadata"]["name"] in next(e.detail for e in events if e.replica_id == rid)
     writes = [r for r in world.cluster.requests if r.verb == "update" and r.resource == "deployments/scale"]
-    assert [w.code for w in writes] == [200, 200]  # one write per start, nothing more
+    # At most one write per start, nothing more: a start made while the pod cache still waits for
+    # its first LIST (a loaded machine) writes nothing, and the next start writes both replicas.
+    assert 1 <= len(writes) <= 2 and all(w.code == 200 for w in writes)
     assert world.manager.url("chat/2") is None
 
 
