@@ -72,13 +72,7 @@ class World:
             settle(self.cluster, self.h.executor)
 
     def run(self, until: Callable[[], bool], limit: int = 300) -> None:
-        """Step the simulated cluster, then tick the loop, until `until()` (at most `limit` times)."""
-        for _ in range(limit):
-            self.sim.step()
-            self.h.tick()
-            if until():
-                return
-        raise AssertionError(f"not reached after {limit} ticks: {self.h.store.job_detail(self.h.jobs[-1])}")
+        drive(self.sim, self.h, until, limit)
 
     def running(self, job: str, step: str) -> bool:
         """The step's latest attempt runs (its pod is Running), not merely booked."""
@@ -90,6 +84,18 @@ class World:
 
     def workflow_creates(self) -> list[int]:
         return [r.code for r in self.cluster.requests if r.verb == "create" and r.resource == "workflows"]
+
+
+def drive(sim: ArgoSim, h: LoopHarness, until: Callable[[], bool], limit: int = 300) -> None:
+    """Step the simulated cluster, then tick the loop, until `until()` (at most `limit` times);
+    the failure names the last attempts of every job."""
+    for _ in range(limit):
+        sim.step()
+        h.tick()
+        if until():
+            return
+    said = [(a.state.value, a.exit_detail) for job in h.jobs for a in h.store.job_detail(job).attempts[-3:]]
+    raise AssertionError(f"not reached after {limit} ticks: {said}")
 
 
 def settle(cluster: FakeCluster, executor: Any, namespace: str = NS) -> None:

@@ -53,7 +53,7 @@ from fastapi.testclient import TestClient
 from kubernetes import client
 
 from argo_sim import ArgoSim, Script
-from argo_world import LAYOUT, NS, ROOT, SETTINGS, T0, settling
+from argo_world import LAYOUT, NS, ROOT, SETTINGS, T0, drive, settling
 from k8s_deploy_sim import DeploymentSim, SimClock, deployment, replica_launch
 from k8sfake import FakeCluster
 from k8sfake.server import RequestRecord
@@ -207,13 +207,7 @@ class ArgoPart:
         )
 
     def run(self, until: Callable[[], bool], limit: int = 200) -> None:
-        for _ in range(limit):
-            self.sim.step()
-            self.h.tick()
-            if until():
-                return
-        said = [(a.state.value, a.exit_detail) for job in self.h.jobs for a in self.attempts(job)[-3:]]
-        raise AssertionError(f"not reached after {limit} ticks: {said}")
+        drive(self.sim, self.h, until, limit)
 
     def attempts(self, job: str) -> list[Any]:
         return list(self.h.store.job_detail(job).attempts)

@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from argo_sim import ArgoSim, Script
+from argo_world import drive
 from k8s_deploy_sim import DeploymentSim, SimClock, deployment, replica_launch
 from k8sfake import ADMIN_TOKEN, FakeCluster
 from lowtide.adapters.argo.executor import ArgoExecutor
@@ -317,13 +318,7 @@ class ArgoWorld:
         self.h.recover()
 
     def run(self, until: Callable[[], bool], limit: int = 200) -> None:
-        for _ in range(limit):
-            self.sim.step()
-            self.h.tick()
-            if until():
-                return
-        said = [(a.state.value, a.exit_detail) for job in self.h.jobs for a in self.attempts(job)[-3:]]
-        raise AssertionError(f"not reached after {limit} ticks: {said}")
+        drive(self.sim, self.h, until, limit)
 
     def attempts(self, job: str) -> list[Any]:
         return list(self.h.store.job_detail(job).attempts)
