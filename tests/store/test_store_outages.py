@@ -123,3 +123,26 @@ def test_a_terminated_postgresql_backend_is_an_outage(pg_database_url: str) -> N
     finally:
         admin.dispose()
         store.close()
+
+
+def test_an_outage_starts_when_the_failed_transaction_began_not_when_it_gave_up() -> None:
+    """A SQLite write waits out the busy timeout before it fails: the store has been failing
+    since the write began, so /healthz's bound counts from then (a 40 s outage with a 5 s busy
+    timeout turns /healthz 503 at 30 s, not 35 s)."""
+    clock = FakeClock(start=1_000.0)
+    health = StoreHealth(clock)
+    began = clock.now()
+    clock.advance(5.0)  # the busy timeout
+    assert health.failed("write", "sqlite: database is locked", started=began)
+    outage = health.outage()
+    assert outage is not None and outage.since == began
+    assert outage.since_wall == clock.wall() - 5.0
+    clock.advance(25.5)
+    assert health.unhealthy(30.0) is outage
+    # A later failure keeps the outage's start.
+    assert not health.failed("write", "again", started=clock.now())
+    later = health.outage()
+    assert later is not None and later.since == began and later.failures == 2
+    # A start after now (a clock that moved under it) is taken as now.
+    assert health.failed("read", "reads fail too", started=clock.now() + 9.0)
+    assert health.succeeded("write") is not None and health.outage() is None

@@ -46,13 +46,16 @@ class StoreHealth:
         self.last_success: float | None = None  # control time of the last committed transaction
         self.outages_total = 0
 
-    def failed(self, access: Access, reason: str) -> bool:
-        """Record a failure; True when it starts an outage (log it then, not at every failure)."""
+    def failed(self, access: Access, reason: str, *, started: float | None = None) -> bool:
+        """Record a failure; True when it starts an outage (log it then, not at every failure).
+        `started` (control time) is when the failed transaction began: a write that waited out
+        the database's busy timeout before failing has found the store failing since then."""
         now, wall = self.clock.now(), self.clock.wall()
+        since = now if started is None else min(now, started)
         with self._lock:
             known = self._outages.get(access)
             if known is None:
-                self._outages[access] = StoreOutage(access, now, wall, reason, 1)
+                self._outages[access] = StoreOutage(access, since, wall - (now - since), reason, 1)
                 self.outages_total += 1
                 return True
             self._outages[access] = StoreOutage(

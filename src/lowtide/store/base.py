@@ -112,6 +112,7 @@ class StoreBase:
     @contextmanager
     def _classified(self, access: Access) -> Iterator[None]:
         """Raise a failure that may pass as `StoreUnavailable` and keep `health` up to date."""
+        started = self.health.clock.now()
         try:
             yield
         except Exception as exc:
@@ -119,7 +120,7 @@ class StoreBase:
             if outage is None:  # the database answered (a constraint, a stale row, a bug)
                 self.health.succeeded(access)
                 raise
-            if self.health.failed(access, outage.reason):
+            if self.health.failed(access, outage.reason, started=started):
                 log.error("store %s failed: %s; retrying until it works again", access, outage.reason)
             if outage is exc:
                 raise
