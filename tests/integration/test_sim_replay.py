@@ -395,6 +395,9 @@ def replay(real: RealRun, park: str) -> tuple[ReplayWorld, list[Decision]]:
     )
     service = replace(
         base.services[0],
+        # The real run's replicas and load, as measured (not the fleet's fit of a light load).
+        curve=curve,
+        load_scale=1.0,
         capacity=ReplicaCapacity.from_engine(PROMPT_TOKENS, OUTPUT_TOKENS, engine),
         times=ReplicaTimes(
             startup_s=engine.cold_start_s, wake_s=engine.wake_s, park_sleep_s=0.1, park_stop_s=0.5

@@ -23,7 +23,7 @@ from lowtide.cli.main import app
 from lowtide.control.inference import ServiceSetup
 from lowtide.domain.gpus import Node
 from lowtide.domain.services import AutoscaleTargets, LendingPolicy, ServiceSpec
-from lowtide.sim.capacity import derive_replica_capacity, steady_state
+from lowtide.sim.capacity import ReplicaCapacity, derive_replica_capacity, steady_state
 from lowtide.sim.fleet import FleetOptions, default_scenario, start_epoch
 from lowtide.sim.jobs import ResearchJob
 from lowtide.sim.load import LoadCurve
@@ -358,8 +358,35 @@ def test_the_default_fleet_needs_every_replica_but_the_headroom_at_the_busiest_w
     s = default_scenario(curve, (), days=1.0, seed=0, options=FleetOptions(nodes=4, gpus_per_node=8))
     svc = s.services[0]
     assert svc.setup.spec.max_replicas == 8 and s.pool_gpus == 32
-    assert needed_replicas(svc, curve.peak_window_rate(600.0, until_s=86400.0)) == 8  # 7 + 1 headroom
-    assert needed_replicas(svc, 10.0) < 8
+    # 33 req/s at the peak is light for 7 replicas: the load is scaled up, not the replicas slowed.
+    assert svc.load_scale > 1.0 and svc.curve.rates == tuple(r * svc.load_scale for r in curve.rates)
+    peak = svc.curve.peak_window_rate(600.0, until_s=86400.0)
+    assert needed_replicas(svc, peak) == 8  # 7 + 1 headroom
+    assert needed_replicas(svc, 10.0 * svc.load_scale) < 8
+
+
+def test_a_light_load_is_scaled_up_to_the_fleet_so_replicas_run_at_engine_speed() -> None:
+    """Slowing replicas to fit a light trace would stretch every request to minutes and put TTFT
+    above any SLO with every replica up; the fleet scales the load instead, so `none` meets the
+    SLO at the busiest window, and the autoscaler sees the same concurrency either way."""
+    light = LoadCurve((0.0, 12 * H), (1.0, 4.0), period_s=24 * H, prompt_tokens=2000, output_tokens=30)
+    s = default_scenario(light, (), days=1.0, seed=0, options=FleetOptions(nodes=4, gpus_per_node=8))
+    svc = s.services[0]
+    engine = ReplicaCapacity.from_engine(2000, 30)
+    assert svc.load_scale > 1.0
+    assert svc.capacity.service_s <= engine.service_s * (1 + 1e-9)  # never slower than the engine
+    peak = svc.curve.peak_window_rate(600.0, until_s=86400.0)
+    assert peak == pytest.approx(4.0 * svc.load_scale)
+    assert needed_replicas(svc, peak) == 8
+    everyone = steady_state(svc.capacity, peak, svc.setup.spec.max_replicas)
+    assert everyone.ttft_p90_s < svc.slo_ttft_p90_s
+    # A heavy load is served as given, by replicas faster than the engine.
+    heavy = light.scaled(1000.0)
+    h = default_scenario(
+        heavy, (), days=1.0, seed=0, options=FleetOptions(nodes=4, gpus_per_node=8)
+    ).services[0]
+    assert h.load_scale == 1.0 and h.curve is heavy
+    assert h.capacity.service_s < engine.service_s
 
 
 def test_the_oracle_harvest_is_the_idle_capacity_fed_by_the_jobs_work() -> None:

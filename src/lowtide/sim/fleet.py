@@ -3,7 +3,13 @@
 Without `--cluster` the fleet is the default of `lowtide simulate`: `nodes` × `gpus_per_node`
 GPUs, one service of 4-GPU replicas with as many replicas as the pool holds, sized so that the
 busiest 10-minute window of the load needs every replica but one headroom replica; the
-per-replica capacity is derived from the load (`sim.capacity.derive_replica_capacity`). With
+per-replica capacity is derived from the load (`sim.capacity.derive_replica_capacity`). A trace
+too light for the fleet (its busiest window would need every replica only if each ran slower than
+the emulator's engine: a few requests per second over 63 replicas) is scaled up instead, by the
+factor that fills the fleet at engine speed (`fit_load`, recorded as the service's `load_scale`):
+slowing the replicas by that factor gives the autoscaler the same concurrency, but stretches
+every request to minutes, so TTFT would exceed any real SLO even with every replica up and the
+per-stretch steady state of the capacity model would stop holding (docs/architecture.md §9.2). With
 `--cluster FILE` (lowtide.yaml's own format: `nodes`, `services`, `lending`, `scheduler`), the
 nodes must declare their GPUs, each service's `simulation:` section may give its replica
 capacity (else it is derived the same way, at the service's `max_replicas − headroom`), and the
@@ -30,7 +36,7 @@ from lowtide.config import (
 from lowtide.control.inference import ServiceSetup
 from lowtide.domain.gpus import Node
 from lowtide.domain.services import AutoscaleTargets, LendingPolicy, ServiceSpec
-from lowtide.sim.capacity import derive_replica_capacity
+from lowtide.sim.capacity import ReplicaCapacity, derive_replica_capacity
 from lowtide.sim.jobs import ResearchJob
 from lowtide.sim.load import LoadCurve
 from lowtide.sim.ports import ReplicaTimes
@@ -71,11 +77,9 @@ def default_scenario(
     if replicas < 2:
         raise ConfigError("the default fleet needs room for at least 2 replicas")
     targets = AutoscaleTargets(ttft_p90_slo_s=None)
-    peak = curve.peak_window_rate(600.0, until_s=days * 86400.0)
-    capacity = derive_replica_capacity(
-        peak,
-        curve.prompt_tokens,
-        curve.output_tokens,
+    capacity, curve, load_scale = fit_load(
+        curve,
+        days=days,
         replicas_at_peak=replicas - options.headroom_replicas,
         target_concurrency=targets.concurrency_per_replica or 32.0,
     )
@@ -100,6 +104,7 @@ def default_scenario(
         curve=curve,
         times=ReplicaTimes(startup_s=options.startup_s, wake_s=options.wake_s),
         slo_ttft_p90_s=options.slo_ttft_p90_s,
+        load_scale=load_scale,
     )
     lead = DEFAULT_TICK_S + options.reclaim_grace_s + spec.unpark_s
     lending = LendingPolicy(mode="continuous", reclaim_lead_s=lead)
@@ -141,6 +146,7 @@ def cluster_scenario(
         spec = service_spec(cfg)
         share = shares[i] if shares[i] is not None else rest
         svc_curve = curve.scaled(share or 0.0)
+        load_scale = 1.0
         sim = cfg.simulation
         if sim.replica_capacity_rps is not None:
             capacity = derive_replica_capacity(
@@ -151,12 +157,10 @@ def cluster_scenario(
                 target_concurrency=spec.autoscale.concurrency_per_replica or 32.0,
             )
         else:
-            at_peak = max(1, spec.max_replicas - spec.headroom_replicas)
-            capacity = derive_replica_capacity(
-                svc_curve.peak_window_rate(600.0, until_s=days * 86400.0),
-                svc_curve.prompt_tokens,
-                svc_curve.output_tokens,
-                replicas_at_peak=at_peak,
+            capacity, svc_curve, load_scale = fit_load(
+                svc_curve,
+                days=days,
+                replicas_at_peak=max(1, spec.max_replicas - spec.headroom_replicas),
                 target_concurrency=spec.autoscale.concurrency_per_replica or 32.0,
             )
         slo = cfg.autoscale.ttft_p90_slo if cfg.autoscale.ttft_p90_slo is not None else sim.slo_ttft_p90
@@ -173,6 +177,7 @@ def cluster_scenario(
                 curve=svc_curve,
                 times=ReplicaTimes(startup_s=spec.startup_s, wake_s=spec.wake_s),
                 slo_ttft_p90_s=slo,
+                load_scale=load_scale,
             )
         )
     lending = lending_policy(settings)
@@ -191,6 +196,38 @@ def cluster_scenario(
         window=tuple(window),
         seed=seed,
     )
+
+
+def fit_load(
+    curve: LoadCurve, *, days: float, replicas_at_peak: int, target_concurrency: float
+) -> tuple[ReplicaCapacity, LoadCurve, float]:
+    """The replica capacity for which `replicas_at_peak` replicas carry the busiest 10-minute
+    window of `curve` at `target_concurrency` each, the curve they serve, and the factor its
+    rates were multiplied by (1: the trace as given). A replica is never made slower than the
+    emulator's engine: when the trace is that light, its rates are scaled up by the slowdown
+    instead (the module docstring says why). ValueError as `derive_replica_capacity`."""
+    peak = curve.peak_window_rate(600.0, until_s=days * 86400.0)
+    capacity = derive_replica_capacity(
+        peak,
+        curve.prompt_tokens,
+        curve.output_tokens,
+        replicas_at_peak=replicas_at_peak,
+        target_concurrency=target_concurrency,
+    )
+    slowdown = (
+        capacity.service_s / ReplicaCapacity.from_engine(curve.prompt_tokens, curve.output_tokens).service_s
+    )
+    if not slowdown > 1.0:
+        return capacity, curve, 1.0
+    scaled = curve.scaled(slowdown)
+    capacity = derive_replica_capacity(
+        scaled.peak_window_rate(600.0, until_s=days * 86400.0),
+        scaled.prompt_tokens,
+        scaled.output_tokens,
+        replicas_at_peak=replicas_at_peak,
+        target_concurrency=target_concurrency,
+    )
+    return capacity, scaled, slowdown
 
 
 def load_cluster(path: Path) -> Settings:

@@ -34,6 +34,8 @@ class SimService:
     curve: LoadCurve  # its request rate over time
     times: ReplicaTimes  # cold start, wake, park durations
     slo_ttft_p90_s: float  # a minute is a violation when the modelled TTFT p90 exceeds this
+    #: The trace's rates were multiplied by this to fill the fleet (`sim.fleet.fit_load`; 1: as given).
+    load_scale: float = 1.0
 
     @property
     def name(self) -> str:
