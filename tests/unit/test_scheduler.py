@@ -324,6 +324,36 @@ def test_no_reservation_on_a_node_whose_lendable_gpus_are_too_few() -> None:
     )
 
 
+def test_a_smaller_step_still_reserves_after_bigger_ones_found_no_node_left() -> None:
+    """Once no node outside the reservations can hold 4 GPUs, later 4-GPU steps are not
+    reserved for; a 2-GPU step behind them still is (the n3 that could never hold 4)."""
+    snap = snapshot(
+        nodes={"n1": 8, "n2": 4, "n3": 2},
+        unavailable=["n1:4", "n1:5", "n1:6", "n1:7"],
+        running=[running("n1", [0]), running("n2", [0]), running("n3", [0])],
+        queued=[
+            queued("job-eight", gpus=8),
+            queued("job-four-a", gpus=4, submitted_at=1),
+            queued("job-four-b", gpus=4, submitted_at=2),
+            queued("job-four-c", gpus=4, submitted_at=3),
+            queued("job-two", gpus=2, submitted_at=4),
+            queued("job-four-d", gpus=4, submitted_at=5),
+        ],
+    )
+    plan = decide(snap, policy(max_reservations=3))
+    assert plan.reservations == (
+        Reservation("job-four-a", "train", "n1", 4),
+        Reservation("job-four-b", "train", "n2", 4),
+        Reservation("job-two", "train", "n3", 2),
+    )
+    reasons = waiting_reasons(plan)
+    assert reasons["job-eight/train"] == "needs 8 GPUs on one node; at most 4 on any node can be lent now"
+    assert reasons["job-four-c/train"].startswith("needs 4 GPUs on one node; largest free block is 1 (")
+    assert reasons["job-four-d/train"].startswith("no free GPUs (")  # n3 is held now too
+    assert "n3 is held for job-two/train" in reasons["job-four-d/train"]
+    assert placements(plan) == {}
+
+
 # --- retry backoff --------------------------------------------------------------------------------
 
 

@@ -195,6 +195,9 @@ class _Decision:
         # memory need (which also fails any step needing memory), and per GiB per GPU declared.
         self._smallest_unplaceable = math.inf
         self._smallest_unplaceable_gib: dict[float, int] = {}
+        # Per GiB per GPU (None: no memory need): the smallest GPU count no node could be
+        # reserved for (see `_consider`).
+        self._smallest_unreservable: dict[float | None, int] = {}
 
     # What follows is built on first use: a tick with no step ready to start (the queue empty,
     # or every step backing off) needs none of it, and it costs O(running steps) or O(nodes).
@@ -267,11 +270,16 @@ class _Decision:
         if node is not None:
             self._start_on(step, node)
             return
-        if len(self._reservations) < self._max_reservations:
+        if len(self._reservations) < self._max_reservations and need < self._smallest_unreservable.get(
+            gib, math.inf
+        ):
             target = self._free.most_free_with_capacity(need, self._reserved_nodes, gib)
             if target is not None:
                 self._reserve(step, target)
                 return
+            # Capacities are fixed and reserved nodes only grow during a decision, so a need that
+            # no node outside the reservations can hold stays so (a long queue asks it once).
+            self._smallest_unreservable[gib] = need
         self._waiting.append(Waiting(step.job_id, step.step, self._blocked_reason(need, gib)))
 
     def _place(self, need: int, gib: float | None) -> str | None:
