@@ -6,11 +6,13 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from dataclasses import fields
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lowtide.domain.metrics import ReplicaSignals
 from lowtide.domain.services import AutoscaleTargets, ServiceSpec
 from lowtide.emulator.engine import Engine, EngineConfig
 from lowtide.policy.autoscale import ReplicaSupply, decide_scale, initial_state
@@ -501,3 +503,12 @@ def test_steady_state_performance_smoke() -> None:
     for rate in rates:
         last = steady_state(SIZED, rate, 9)
     assert last is not None and last.rate_rps == rates[-1]
+
+
+def test_replica_signals_are_built_by_field_position_in_the_field_order_of_the_domain() -> None:
+    # `sim.capacity._signals_of` passes these positionally: a reordered field must fail here
+    assert [f.name for f in fields(ReplicaSignals)][:14] == [
+        "replica", "at", "running", "waiting", "kv_usage", "kv_tokens_used", "prompt_tokens_per_s",
+        "generation_tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
+        "e2e_p50_s", "e2e_p90_s",
+    ]  # fmt: skip

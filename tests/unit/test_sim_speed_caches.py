@@ -14,8 +14,10 @@ would go stale if it were kept too long.
 
 from __future__ import annotations
 
+import gc
 import math
-from dataclasses import astuple, replace
+from dataclasses import astuple, dataclass, field, fields, replace
+from types import MappingProxyType
 
 import pytest
 from builders import running, snapshot
@@ -27,14 +29,23 @@ from lowtide.control.inference_ports import ReplicaLaunch
 from lowtide.domain.gpus import GpuRef, Node
 from lowtide.domain.metrics import ReplicaSignals, ServiceSignals
 from lowtide.domain.services import AutoscaleTargets, ServiceSpec
+from lowtide.domain.spec_parse import build_job_spec
+from lowtide.domain.states import ReplicaState
 from lowtide.policy import inference as decide
 from lowtide.policy.autoscale import ReplicaSupply, _total, decide_scale, initial_state
+from lowtide.policy.evolve import evolve
+from lowtide.policy.inference_snapshot import InferenceMemory
 from lowtide.policy.lending import GpuShare, gpu_shares
 from lowtide.policy.placement import FreeGpus
-from lowtide.policy.replicas import research_offer
+from lowtide.policy.replicas import ReplicaView, research_offer
+from lowtide.policy.snapshot import Snapshot
 from lowtide.sim.capacity import derive_replica_capacity, service_signals
+from lowtide.sim.fleet import FleetOptions, default_scenario
+from lowtide.sim.jobs import ResearchJob
 from lowtide.sim.load import LoadCurve
 from lowtide.sim.ports import ReplicaTimes, SimExecutor, SimMetrics, SimServiceManager, StepBehaviour
+from lowtide.sim.world import SimWorld, cyclic_gc_paused
+from lowtide.store.memory.values import SortedIndex
 
 
 def test_free_gpus_follow_a_new_unavailable_set_on_the_same_nodes() -> None:
@@ -315,3 +326,142 @@ def test_the_autoscaler_answers_the_same_on_a_kept_signals_tuple_and_follows_a_n
     assert failed.unknown and not first.unknown
     stale = tuple(replace(r, stale=True) for r in busy)
     assert decide_scale(spec, ServiceSignals("llm", 0.0, stale), supply, state, 0.0).unknown
+
+
+# -- round 5: copies without a field walk, kept answers by holdings, the world's job specs ------
+
+
+def test_evolve_is_dataclasses_replace_and_falls_back_where_it_cannot_be() -> None:
+    view = ReplicaView("s/0", "s", 0, ReplicaState.SERVING, "n1", (0, 1), None, 5.0, 0.0, 2, 0, 8000)
+    moved = evolve(view, state=ReplicaState.DRAINING, since=7.0)
+    assert moved == replace(view, state=ReplicaState.DRAINING, since=7.0)
+    assert evolve(view) == view and view.state == ReplicaState.SERVING  # the original is untouched
+    with pytest.raises(TypeError):
+        evolve(view, no_such_field=1)  # as `replace` refuses it
+
+    @dataclass(frozen=True)
+    class Hidden:
+        a: int
+        b: int = field(default=0, init=False)
+
+    @dataclass(frozen=True)
+    class Keywords:
+        a: int
+        b: int = field(default=0, kw_only=True)
+
+    assert evolve(Hidden(1), a=2) == replace(Hidden(1), a=2)
+    assert evolve(Keywords(1, b=3), a=2) == Keywords(2, b=3)
+
+
+def test_with_inference_passes_every_other_field_of_the_snapshot_on() -> None:
+    base = snapshot(
+        nodes={"n1": 4}, unavailable=["n1:3"], running=[running("n1", [0])], team_usage={"t": 5.0}
+    )
+    unavailable = frozenset({GpuRef("n1", 1)})
+    shares = MappingProxyType({GpuRef("n1", 2): GpuShare(8.0, 72.0)})
+    made = base.with_inference(unavailable, shares)
+    assert made == replace(base, unavailable=unavailable, gpu_shares=shares)
+    # a new field of Snapshot must be passed on by `with_inference` too
+    assert [f.name for f in fields(Snapshot)] == [
+        "now", "nodes", "running", "queued", "unavailable", "team_usage", "gpu_shares"
+    ]  # fmt: skip
+
+
+def test_the_decision_builds_its_next_memory_from_every_field() -> None:
+    # `decide_services` builds the next memory field by field: a new field must be added there
+    assert [f.name for f in fields(InferenceMemory)] == [
+        "scale_states", "needed_history", "profiles", "surge_at", "alerts", "fresh_at"
+    ]  # fmt: skip
+
+
+def test_step_gpus_are_kept_for_a_new_tuple_holding_the_same_gpus_and_follow_a_notice() -> None:
+    first = (running("a", [0, 1], attempt_id=1), running("b", [2], attempt_id=2))
+    answer = decide._step_gpus(first)
+    # a checkpoint: new objects, the same GPUs and notice: the very same answer
+    again = (replace(first[0], last_checkpoint_at=50.0), first[1])
+    assert decide._step_gpus(again) is answer
+    noticed = (replace(first[0], stopping=True), first[1])
+    held, lent, active = decide._step_gpus(noticed)
+    assert (dict(held), lent, active) == ({"a": frozenset({0, 1}), "b": frozenset({2})}, 3, 1)
+    moved = (replace(first[0], gpus=(0,)), first[1])
+    assert dict(decide._step_gpus(moved)[0]) == {"a": frozenset({0}), "b": frozenset({2})}
+
+
+def test_free_gpus_follow_the_running_steps_and_shares_with_kept_parts() -> None:
+    nodes = snapshot(nodes={"n1": 4, "n2": 4}).nodes
+    shares = MappingProxyType({GpuRef("n2", 3): GpuShare(8.0, 72.0)})
+    first = type(snapshot(nodes={"n1": 1}))(
+        now=0.0, nodes=nodes, running=(running("n1", [0, 1]),), gpu_shares=shares
+    )
+    a = FreeGpus.from_snapshot(first)
+    assert (a.free_indices("n1"), a.free_indices("n2")) == ((2, 3), (0, 1, 2, 3))
+    a.take("n1", 2)  # a decision's working copy: what is kept for the next one is not touched
+    checkpointed = replace(first, running=(replace(first.running[0], last_checkpoint_at=9.0),))
+    b = FreeGpus.from_snapshot(checkpointed)
+    assert (b.free_indices("n1"), b.free_indices("n2")) == ((2, 3), (0, 1, 2, 3))
+    assert b.has_shares()
+    other = replace(first, running=(running("n2", [0]),), gpu_shares={})
+    c = FreeGpus.from_snapshot(other)
+    assert (c.free_indices("n1"), c.free_indices("n2")) == ((0, 1, 2, 3), (1, 2, 3))
+    assert not c.has_shares()
+
+
+def test_a_sorted_index_keeps_its_tuple_when_a_key_gets_the_very_value_it_holds() -> None:
+    index: SortedIndex[int, object] = SortedIndex()
+    one, two = object(), object()
+    index.put(2, two)
+    index.put(1, one)
+    values = index.values()
+    assert values == (one, two)
+    index.put(1, one)
+    assert index.values() is values
+    other = object()
+    index.put(1, other)
+    assert index.values() == (other, two)
+
+
+def test_cyclic_gc_is_paused_inside_and_put_back_as_it_was() -> None:
+    assert gc.isenabled()
+    with cyclic_gc_paused():
+        assert not gc.isenabled()
+        with cyclic_gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with cyclic_gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_the_worlds_job_specs_are_what_build_job_spec_makes() -> None:
+
+    curve = LoadCurve((0.0,), (5.0,), 86400.0, prompt_tokens=500.0, output_tokens=200.0)
+    jobs = tuple(
+        ResearchJob(f"job-{i}", f"team-{i % 2}", 10.0 * i, 1 + i % 3, 600.0, "low" if i % 4 else "normal")
+        for i in range(12)
+    )
+    scenario = default_scenario(curve, jobs, days=0.1, seed=1, options=FleetOptions(nodes=2))
+    world = SimWorld(scenario)
+    for job in jobs:
+        expected = build_job_spec(
+            {
+                "name": job.name,
+                "team": job.team,
+                "priority": job.priority,
+                "grace_seconds": scenario.steps.grace_s,
+                "steps": [
+                    {
+                        "name": "train",
+                        "command": ["simulated"],
+                        "gpus": job.gpus,
+                        "checkpoint": True,
+                        "restart_seconds": scenario.steps.restart_s,
+                    }
+                ],
+            }
+        )
+        assert world._job_spec(job) == expected

@@ -236,6 +236,8 @@ class InferenceController:
         self._views: dict[int, tuple[ReplicaRecord, ReplicaView]] = {}
         # The records of the last read and the views made of them (see `_read_replicas`).
         self._read: tuple[tuple[ReplicaRecord, ...], tuple[ReplicaView, ...]] | None = None
+        # The views of the last `_grouped` and each service's share of them.
+        self._mine: tuple[tuple[ReplicaView, ...], Mapping[str, Sequence[ReplicaView]]] | None = None
         # The replicas of the last tick, the sleeping ones and their `gpu_shares` (`_gpu_shares`).
         self._shares: tuple[tuple[ReplicaView, ...], _Asleep, Mapping[GpuRef, GpuShare]] | None = None
         #: The envelope point recorded last (None: none since this controller started).
@@ -387,10 +389,7 @@ class InferenceController:
     def _snapshot(
         self, now: float, running: tuple[RunningStep, ...], replicas: tuple[ReplicaView, ...]
     ) -> InferenceSnapshot:
-        mine: dict[str, list[ReplicaView]] = {name: [] for name in self.services}
-        for r in replicas:
-            if r.service in mine:
-                mine[r.service].append(r)
+        mine = self._grouped(replicas)
         signals = {name: self._collect(name, mine[name], now) for name in self.services}
         in_flight: dict[str, int] = {}
         upstream: dict[str, int] = {}
@@ -421,7 +420,21 @@ class InferenceController:
             held=held,
         )
 
-    def _collect(self, name: str, mine: list[ReplicaView], now: float) -> ServiceSignals:
+    def _grouped(self, replicas: tuple[ReplicaView, ...]) -> Mapping[str, Sequence[ReplicaView]]:
+        """Each service's replicas; kept for the same tuple of (frozen) views, which
+        `_read_replicas` hands back while no replica moved."""
+        last = self._mine
+        if last is not None and last[0] is replicas:
+            return last[1]
+        mine: dict[str, list[ReplicaView]] = {name: [] for name in self.services}
+        for r in replicas:
+            if r.service in mine:
+                mine[r.service].append(r)
+        grouped = {name: tuple(views) for name, views in mine.items()}
+        self._mine = (replicas, grouped)
+        return grouped
+
+    def _collect(self, name: str, mine: Sequence[ReplicaView], now: float) -> ServiceSignals:
         urls = {
             r.id: url for r in mine if r.state in _SCRAPED and (url := self.manager.url(r.id)) is not None
         }

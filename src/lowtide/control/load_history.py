@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from lowtide.domain.metrics import ServiceSignals
+from lowtide.domain.metrics import ReplicaSignals, ServiceSignals
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,22 +29,34 @@ class LoadHistory:
         self.every_s = every_s
         self.keep_s = keep_s
         self._samples: deque[LoadSample] = deque()
+        # The last replicas' signals summed (the very tuple, kept) and their sums (None: all
+        # stale): a metrics source may hand back the same tuple while its figures stay the same.
+        self._summed: tuple[tuple[ReplicaSignals, ...], tuple[float, float] | None] | None = None
 
     def add(self, signals: ServiceSignals | None, desired: int | None) -> None:
         """Keep a sample of `signals` (none: nothing read, nothing kept) unless the last one is
         younger than `every_s`; drop those older than `keep_s` before the newest."""
         if signals is None or signals.source_error is not None:
             return
-        fresh = [r for r in signals.replicas if not r.stale]
-        if not fresh:  # stale readings say nothing about the load
+        sums = self._sums(signals.replicas)
+        if sums is None:  # stale readings say nothing about the load
             return
         if self._samples and signals.at - self._samples[-1].at < self.every_s:
             return
-        running = sum(r.running or 0.0 for r in fresh)
-        waiting = sum(r.waiting or 0.0 for r in fresh)
+        running, waiting = sums
         self._samples.append(LoadSample(signals.at, running, waiting, desired))
         while self._samples and self._samples[0].at < signals.at - self.keep_s:
             self._samples.popleft()
+
+    def _sums(self, replicas: tuple[ReplicaSignals, ...]) -> tuple[float, float] | None:
+        """Σ running and Σ waiting over the fresh replicas (None: no fresh replica)."""
+        last = self._summed
+        if last is not None and last[0] is replicas:
+            return last[1]
+        fresh = [r for r in replicas if not r.stale]
+        sums = (sum(r.running or 0.0 for r in fresh), sum(r.waiting or 0.0 for r in fresh)) if fresh else None
+        self._summed = (replicas, sums)
+        return sums
 
     def samples(self) -> list[LoadSample]:
         return list(self._samples)

@@ -38,7 +38,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from lowtide.control.checkpoint_check import choose_for_launch, resume_crash_decision
@@ -81,6 +81,7 @@ from lowtide.domain.states import AttemptState, StepState
 from lowtide.policy import walltime
 from lowtide.policy.checkpoints import RESUME_CRASH_WINDOW_S
 from lowtide.policy.dag import JobView, advance
+from lowtide.policy.evolve import evolve
 from lowtide.policy.lending import GpuShare, step_gpu_share
 from lowtide.policy.outcomes import (
     ExitDecision,
@@ -93,6 +94,7 @@ from lowtide.policy.plan import SchedulePlan, StartStep
 from lowtide.policy.scheduler import SchedulerPolicy, decide
 
 log = logging.getLogger("lowtide.loop")
+_NOTHING_POLLED = PollReport()  # what a failed poll saw (frozen: one for every tick)
 _T = TypeVar("_T")
 
 #: Re-examine every active job's DAG this often (seconds), besides those touched by events.
@@ -211,6 +213,10 @@ class ControlLoop:
         # Walltime budgets of running attempts and the timeouts of their jobs' specs: caches of
         # what the store keeps (rebuilt from it after a restart), pruned to the active attempts.
         self._budgets: dict[int, walltime.WalltimeBudget] = {}
+        # The active attempts of the last clean walltime scan and its budgets (`_enforce_walltime`).
+        self._walltime_scan: (
+            tuple[tuple[AttemptRecord, ...], tuple[int, ...], list[walltime.WalltimeBudget]] | None
+        ) = None
         self._job_timeouts: dict[tuple[str, str], walltime.JobTimeouts] = {}
         self._start_deadlines: list[float] = []  # deadlines of the attempts this tick started
         # Lendable GPUs a sleeping replica still holds memory on, from this tick's inference side.
@@ -310,7 +316,7 @@ class ControlLoop:
             if not report.store_unavailable:
                 self._record_lost(attempt_id, lost_at, report)
         polled: PollReport = self._guard(
-            report, "executor poll", lambda: self.executor.poll(now), PollReport()
+            report, "executor poll", lambda: self.executor.poll(now), _NOTHING_POLLED
         )
         for started in polled.started:  # kept until recorded: the executor reports a start once
             self._unrecorded_started[started.attempt_id] = started.at
@@ -352,7 +358,7 @@ class ControlLoop:
             )
             self._gpu_shares = inference.gpu_shares if inference is not None else {}
             # Placement reads the memory left on GPUs under sleeping replicas (policy.placement).
-            snapshot = replace(snapshot, unavailable=unavailable, gpu_shares=self._gpu_shares)
+            snapshot = snapshot.with_inference(unavailable, self._gpu_shares)
             if inference is not None:
                 report.active = inference.changed
                 if inference.next_due is not None:
@@ -500,7 +506,7 @@ class ControlLoop:
             self.store.mark_running(ex.attempt_id, running_at)
         if ran:  # its state moved to RUNNING
             ctx = self.store.exit_context(ex.attempt_id)
-        ex = replace(ex, ended_at=self._control_time(ex, ctx, now), wall_clock=False)
+        ex = evolve(ex, ended_at=self._control_time(ex, ctx, now), wall_clock=False)
         self._read_latest(ctx, ex.ended_at)
         timed_out = self._walltime_verdict(ctx, ex.ended_at)
         for _ in range(3):
@@ -668,25 +674,21 @@ class ControlLoop:
     ) -> float | None:
         """Give notice to the running attempts past their step's walltime; return the next
         deadline (for `next_due`). Deadlines derive from stored start times and specs only."""
-        budgets: list[walltime.WalltimeBudget] = []  # those with a limit: the others have no deadline
-        known = self._budgets
-        for att in active:
-            if att.state != AttemptState.RUNNING or att.id in noticed:
-                continue
-            try:
-                budget = known.get(att.id) or self._budget(att)
-            except StoreUnavailable:
-                report.store_failed()
-                continue
-            except Exception:
-                report.errors += 1
-                log.exception("reading the walltime of attempt %s failed", att.id)
-                continue
-            if budget.limit_s is not None:
-                budgets.append(budget)
-        # Pruned to the active attempts once they may hold more (an entry of an attempt that
-        # ended is never read again: attempt ids are not reused, a step's spec never changes).
-        if len(self._budgets) > len(active) or len(self._job_timeouts) > len(active):
+        # The very (frozen) records of the last clean scan, compared by identity (the scan keeps
+        # them, so their ids are theirs): the same budgets (each is made once per attempt and
+        # kept), without a pass over the attempts. A store that reads new records each tick
+        # misses here and scans as before.
+        ids = tuple(map(id, active))
+        last = self._walltime_scan
+        if not noticed and last is not None and last[1] == ids:
+            budgets = last[2]
+        else:
+            budgets, clean = self._walltime_budgets(active, noticed, report)
+            self._walltime_scan = (tuple(active), ids, budgets) if clean and not noticed else None
+        # Pruned to the active attempts once they may hold twice as many (an entry of an attempt
+        # that ended is never read again: attempt ids are not reused, a step's spec never changes).
+        bound = 2 * len(active) + 16
+        if len(self._budgets) > bound or len(self._job_timeouts) > bound:
             live = {att.id for att in active}
             steps = {(att.job_id, att.step_name) for att in active}
             self._budgets = {k: v for k, v in self._budgets.items() if k in live}
@@ -703,6 +705,32 @@ class ControlLoop:
                 report.errors += 1
                 log.exception("giving timeout notice to attempt %s failed", budget.attempt_id)
         return walltime.next_deadline(budgets, now)
+
+    def _walltime_budgets(
+        self, active: list[AttemptRecord], noticed: set[int], report: TickReport
+    ) -> tuple[list[walltime.WalltimeBudget], bool]:
+        """The budgets with a limit (the others have no deadline) of the running attempts not
+        given notice just now, and whether every one could be read (else the scan is not kept)."""
+        budgets: list[walltime.WalltimeBudget] = []
+        known = self._budgets
+        clean = True
+        for att in active:
+            if att.state != AttemptState.RUNNING or att.id in noticed:
+                continue
+            try:
+                budget = known.get(att.id) or self._budget(att)
+            except StoreUnavailable:
+                report.store_failed()
+                clean = False
+                continue
+            except Exception:
+                report.errors += 1
+                log.exception("reading the walltime of attempt %s failed", att.id)
+                clean = False
+                continue
+            if budget.limit_s is not None:
+                budgets.append(budget)
+        return budgets, clean
 
     def _give_timeout_notice(self, budget: walltime.WalltimeBudget, now: float) -> bool:
         att_id = budget.attempt_id
@@ -784,6 +812,8 @@ class ControlLoop:
 
     def _poll_checkpoints(self, now: float, active: list[AttemptRecord]) -> None:
         every = self.settings.checkpoint_poll_s
+        if every == math.inf:
+            return  # never polled (steps report through the API: the simulator)
         for att in active:
             if now - self._checkpoint_polled.get(att.id, -1e18) < every:
                 continue

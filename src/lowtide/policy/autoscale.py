@@ -189,7 +189,8 @@ def decide_scale(
     first = state.needed is None
     prev_needed = _clamp(base, lo, hi) if state.needed is None else _clamp(state.needed, lo, hi)
     keep = max(t.scale_up_window_s, t.scale_down_stabilization_s)
-    history = tuple((at, r) for at, r in state.history if at >= now - keep)
+    cut = now - keep
+    history = tuple([entry for entry in state.history if entry[0] >= cut])
 
     fresh, n_stale, totals, per_signal, parts = _sums(spec, signals)
     known = [v for v in per_signal.values() if v is not None]
@@ -241,11 +242,11 @@ def decide_scale(
         parts.append(f"{raw} within {sign}{_num(tol * 100)} % of {base}: keep {base}")
         rec = base
     guards: list[str] = []
-    ttfts = [r.ttft_p90_s for r in fresh if r.ttft_p90_s is not None and not math.isnan(r.ttft_p90_s)]
-    if t.ttft_p90_slo_s is not None and ttfts and max(ttfts) > t.ttft_p90_slo_s:
+    ttft = _max_ttft(fresh) if t.ttft_p90_slo_s is not None else None
+    if t.ttft_p90_slo_s is not None and ttft is not None and ttft > t.ttft_p90_slo_s:
         floor = max(supply.total, supply.serving + 1) - headroom
         guards.append(
-            f"TTFT p90 {_num(max(ttfts))}s over SLO {_num(t.ttft_p90_slo_s)}s: "
+            f"TTFT p90 {_num(ttft)}s over SLO {_num(t.ttft_p90_slo_s)}s: "
             f"at least {floor + headroom} replicas, no scale-down"
         )
         rec = max(rec, floor)
@@ -271,7 +272,8 @@ def decide_scale(
             else f"panic for {_num(panic_at + stable_w - now)}s more (no scale-down)"
         )
     up = max(stable, panic_ask) if panic_at is not None else stable
-    down = max(r for at, r in history if at >= now - t.scale_down_stabilization_s)
+    since = now - t.scale_down_stabilization_s
+    down = max([r for at, r in history if at >= since])
     worth = _worth(spec, totals)
     flap_guard = state.flap_guard
     if flap_guard is not None and (
@@ -425,6 +427,22 @@ def _sums(spec: ServiceSpec, signals: ServiceSignals) -> _Sums:
         per_signal, parts = _signals(spec, totals)
         _last_sums.entry = (spec, signals.replicas, error, (fresh, n_stale, totals, per_signal, parts))
     return fresh, n_stale, dict(totals), dict(per_signal), list(parts)
+
+
+#: The last `_max_ttft`, with the very tuple of (frozen) signals it came from.
+_last_ttft: Last[tuple[tuple[ReplicaSignals, ...], float | None]] = Last()
+
+
+def _max_ttft(fresh: tuple[ReplicaSignals, ...]) -> float | None:
+    """The highest known TTFT p90 of the fresh replicas (None: none known); kept for the same
+    tuple, which `_sums` hands back while the signals stay the same."""
+    last = _last_ttft.entry
+    if last is not None and last[0] is fresh:
+        return last[1]
+    ttfts = [r.ttft_p90_s for r in fresh if r.ttft_p90_s is not None and not math.isnan(r.ttft_p90_s)]
+    result = max(ttfts) if ttfts else None
+    _last_ttft.entry = (fresh, result)
+    return result
 
 
 def _totals(spec: ServiceSpec, fresh: Sequence[ReplicaSignals]) -> dict[str, float | None]:

@@ -16,10 +16,12 @@ Neighbours: `policy.inference_snapshot` (input), `control.inference` (builds the
 the plan in the store, carries it out through the ports, keeps `InferenceMemory` between ticks).
 Must not: read the clock (time is `snapshot.now` or the event's own time), do I/O, call a port,
 or mutate its inputs; the same snapshot always gives the same plan. Speed (the simulator ticks
-tens of thousands of times on mostly the same inputs): the running steps' GPUs, the busy GPUs,
-the sleeping replicas' GPUs and the GPUs research may not use are kept from the last call
-(`policy.memo.Last`, identity of kept immutable inputs or equality with frozen copies), which
-changes no answer (tests/unit/test_sim_speed_caches.py, benchmarks/simulate_digest.py).
+tens of thousands of times on mostly the same inputs): the running steps' GPUs (also for a new
+tuple of steps holding the same GPUs with the same notice), the busy GPUs, the sleeping
+replicas' GPUs, the GPUs research may not use (per node too), each service's replicas with their
+supply, held GPUs and failure streak, the restart times and the growth slope are kept from the
+last call (`policy.memo.Last`, identity of kept immutable inputs or equality with frozen copies),
+which changes no answer (tests/unit/test_sim_speed_caches.py, benchmarks/simulate_digest.py).
 
 Replica events (anything else, e.g. `healthy` for a SERVING replica, changes nothing):
 
@@ -87,7 +89,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence, Set
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 from types import MappingProxyType
 from typing import Protocol
@@ -103,6 +105,7 @@ from lowtide.policy.autoscale import (
     initial_state,
     next_decision_at,
 )
+from lowtide.policy.evolve import evolve
 from lowtide.policy.forecast import WeeklyProfile
 from lowtide.policy.inference_snapshot import InferenceMemory, InferenceSnapshot, ReclaimFact, ServiceRules
 from lowtide.policy.lending import Envelope, ServiceLendingInput, envelope, next_lending_edge
@@ -115,6 +118,7 @@ from lowtide.policy.replicas import (
     ServiceView,
     plan_replicas_on,
     research_offer,
+    supply_and_draining,
 )
 from lowtide.policy.signals import FROZEN_REASON
 from lowtide.policy.snapshot import RunningStep
@@ -226,7 +230,7 @@ def moved(replica: ReplicaView, move: ReplicaMove) -> ReplicaView:
     values = move.columns()
     failures = values.get("failures", replica.failures)
     retry_at = values.get("retry_at", replica.retry_at)
-    return replace(
+    return evolve(
         replica,
         state=move.target,
         since=move.at,
@@ -328,11 +332,11 @@ def held_floor(spec: ServiceSpec, decision: ScaleDecision, held: int, now: float
         return decision
     needed = max(decision.needed, 1)
     desired = min(spec.max_replicas, needed + max(spec.headroom_replicas, 0))
-    state = replace(
+    state = evolve(
         decision.state, history=(*decision.state.history, (now, needed)), desired=desired, needed=needed
     )
     reason = f"{decision.reason}; {held} request(s) held at the gateway with no replica serving → {desired}"
-    return replace(decision, desired=desired, needed=needed, reason=reason, state=state)
+    return evolve(decision, desired=desired, needed=needed, reason=reason, state=state)
 
 
 def reclaim_floor(
@@ -360,11 +364,11 @@ def reclaim_floor(
     if pending <= 0 or decision.desired >= floor:
         return decision
     needed = max(decision.needed, floor - max(spec.headroom_replicas, 0), 0)
-    state = replace(
+    state = evolve(
         decision.state, history=(*decision.state.history, (now, needed)), desired=floor, needed=needed
     )
     reason = f"{decision.reason}; {pending} replica(s) still coming from open reclaims → {floor}"
-    return replace(decision, desired=floor, needed=needed, reason=reason, state=state)
+    return evolve(decision, desired=floor, needed=needed, reason=reason, state=state)
 
 
 # -- the decision -------------------------------------------------------------------------------
@@ -455,10 +459,7 @@ def decide_services(snapshot: InferenceSnapshot) -> ScalePlan:
             for r in snapshot.replicas
             if r.id in hung
         ]
-    mine: dict[str, list[ReplicaView]] = {s.name: [] for s in snapshot.services}
-    for r in current:
-        if r.service in mine:
-            mine[r.service].append(r)
+    mine = _replicas_of(snapshot.services, current)
     step_gpus, lent, active_lent = _step_gpus(snapshot.running)
     scale_states = dict(memory.scale_states)
     history_all = dict(memory.needed_history)
@@ -472,23 +473,19 @@ def decide_services(snapshot: InferenceSnapshot) -> ScalePlan:
     events: list[ServiceEvent] = []
     for rules in snapshot.services:
         name, spec = rules.name, rules.spec
-        replicas = mine[name]
+        facts = mine[name]
+        replicas = facts.replicas
         signals = snapshot.signals.get(name)
         if signals is None:
             signals = ServiceSignals(service=name, at=now)
         signals_of[name] = signals
         fresh_at = fresh.get(name)
-        if any(not s.stale for s in signals.replicas) and not signals.source_error:
+        if _any_fresh(signals.replicas) and not signals.source_error:
             fresh_at = now
-        elif not any(r.state in _SCRAPED for r in replicas) and not coming_up(spec, replicas):
+        elif not facts.scraped and not coming_up(spec, replicas):
             fresh_at = now if fresh_at is None else fresh_at
         fresh[name] = fresh_at
-        states = [r.state for r in replicas]
-        supply = ReplicaSupply(
-            serving=states.count(R.SERVING),
-            starting=states.count(R.STARTING),
-            waking=states.count(R.WAKING),
-        )
+        supply = facts.supply
         state = scale_states.get(name) or initial_state(spec)
         decision = decide_scale(spec, signals, supply, state, now)
         decision = held_floor(spec, decision, snapshot.held.get(name, 0), now)
@@ -502,9 +499,9 @@ def decide_services(snapshot: InferenceSnapshot) -> ScalePlan:
             if lending.mode == "forecast":
                 profile = profiles.get(name) or WeeklyProfile.empty(lending.timezone)
                 profiles[name] = profile.observe(now, float(decision.needed))
-        held = sum([len(r.gpus) for r in replicas if r.state in GPU_HOLDING_REPLICA_STATES])
+        held = facts.held_gpus
         age = None if fresh_at is None else now - fresh_at
-        failing = failures_in_a_row(replicas)
+        failing = facts.failing
         if failing >= FAILURES_BEFORE_ALERT:
             # A service that cannot bring replicas up is not safe to lend from.
             message = f"{failing} replica start failures in a row: no new lending from {name}"
@@ -528,16 +525,16 @@ def decide_services(snapshot: InferenceSnapshot) -> ScalePlan:
         )
     pool = _pool_gpus(snapshot.nodes)
     env = envelope(now=now, pool_gpus=pool, services=inputs, policy=lending, currently_lent_gpus=lent)
-    by_id = {r.id: r for r in current}
     views = [
         _kept_service_view(
-            rules, max(decisions[rules.name].desired, env.claims.get(rules.name, 0)), current, by_id, snapshot
+            rules, max(decisions[rules.name].desired, env.claims.get(rules.name, 0)), current, snapshot
         )
         for rules in snapshot.services
     ]
     targets = {v.spec.name: v.desired for v in views}
     # Services furthest below their target go first when GPUs are short.
-    views.sort(key=lambda v: -(v.desired - _count_in([r.state for r in v.replicas], _UP)))
+    if len(views) > 1:
+        views.sort(key=lambda v: -(v.desired - _count_in([r.state for r in v.replicas], _UP)))
     # A hung replica's GPUs stay busy this tick: its process is still being killed.
     busy = _busy(step_gpus, snapshot.replicas)
     plan = plan_replicas_on(views, snapshot.nodes, busy, now)
@@ -550,7 +547,9 @@ def decide_services(snapshot: InferenceSnapshot) -> ScalePlan:
             signals=signals_of[rules.name],
             fresh_at=fresh[rules.name],
             target=targets[rules.name],
-            blocked="; ".join(b.reason for b in plan.blocked if b.service == rules.name),
+            blocked="; ".join([b.reason for b in plan.blocked if b.service == rules.name])
+            if plan.blocked
+            else "",
             alert=alerts[rules.name],
         )
         for rules in snapshot.services
@@ -565,11 +564,11 @@ def decide_services(snapshot: InferenceSnapshot) -> ScalePlan:
         lent_gpus=lent,
         active_lent_gpus=active_lent,
         busy=busy,
-        memory=replace(
-            memory,
+        memory=InferenceMemory(  # every field: `replace` without its per-call field walk
             scale_states=scale_states,
             needed_history=history_all,
             profiles=profiles,
+            surge_at=memory.surge_at,
             alerts=alerts,
             fresh_at=fresh,
         ),
@@ -605,14 +604,14 @@ def apply_actions(
                     a.replica_id, a.service, slot, state, a.node, a.gpus, None, now, 0.0, 0, 0, port
                 )
             else:
-                by_id[a.replica_id] = replace(
+                by_id[a.replica_id] = evolve(
                     current, state=state, node=a.node, gpus=a.gpus, port=port, parked_as=None, since=now
                 )
         elif current is not None and a.kind == "restart":
             by_id[a.replica_id] = moved(current, failure_move(current, now, a.reason))
         elif current is not None:
             target = {"drain": R.DRAINING, "undrain": R.SERVING, "park": R.PARKING}[a.kind]
-            by_id[a.replica_id] = replace(current, state=target, since=now)
+            by_id[a.replica_id] = evolve(current, state=target, since=now)
     out = by_id.values()
     return tuple(sorted(out, key=lambda r: (r.service, r.slot, r.id))) if added else tuple(out)
 
@@ -622,17 +621,23 @@ def complete(snapshot: InferenceSnapshot, scale: ScalePlan, replicas: Sequence[R
     the reclaim decision, the GPUs research may not take, and when to decide again."""
     now = snapshot.now
     replicas = tuple(replicas)
-    get = {r.id: r for r in replicas}.get
     deficits = {}
-    for v in scale.views:
-        states = [x.state for r in v.replicas if (x := get(r.id)) is not None]
-        deficits[v.spec.name] = v.desired - _count_in(states, SUPPLY_REPLICA_STATES)
+    if replicas is snapshot.replicas and not scale.replica_plan.actions:
+        # No action (so no hung replica either): each view's slots are these very replicas (or
+        # empty), in the same states, so its supply is counted on the view (kept per view).
+        for v in scale.views:
+            deficits[v.spec.name] = v.desired - supply_and_draining(v.replicas)[0]
+    else:
+        get = {r.id: r for r in replicas}.get
+        for v in scale.views:
+            states = [x.state for r in v.replicas if (x := get(r.id)) is not None]
+            deficits[v.spec.name] = v.desired - _count_in(states, SUPPLY_REPLICA_STATES)
     env = scale.envelope
     reclaim = decide_reclaim(
         now=now,
         nodes=snapshot.nodes,
-        specs={s.name: s.spec for s in snapshot.services},
-        reclaim_grace={s.name: s.reclaim_grace_s for s in snapshot.services},
+        specs=_specs_of(snapshot.services)[0],
+        reclaim_grace=_specs_of(snapshot.services)[1],
         running=snapshot.running,
         replicas=replicas,
         replica_plan=scale.replica_plan,
@@ -654,7 +659,7 @@ def complete(snapshot: InferenceSnapshot, scale: ScalePlan, replicas: Sequence[R
     )
     memory = scale.memory
     if reclaim.surge_at != memory.surge_at:
-        memory = replace(memory, surge_at=reclaim.surge_at)
+        memory = evolve(memory, surge_at=reclaim.surge_at)
     return InferencePlan(
         scale=scale,
         replicas=replicas,
@@ -676,9 +681,9 @@ def next_due(
     """When this side must decide again although nothing was observed to change (None: not on
     its own); see the module docstring."""
     now, lending = snapshot.now, snapshot.lending
-    specs = {s.name: s.spec for s in snapshot.services}
+    specs = _specs_of(snapshot.services)[0]
     times = [t for o in scale.services if (t := next_decision_at(o.decision, specs[o.name])) is not None]
-    times += [r.retry_at for r in replicas if r.state == R.FAILED and r.retry_at and r.retry_at > now]
+    times += [t for t in _restart_times(replicas) if t > now]
     edge = next_lending_edge(now, lending)
     if edge is not None:
         times.append(edge)
@@ -729,11 +734,26 @@ def failures_in_a_row(replicas: Iterable[ReplicaView]) -> int:
     return sum(r.failures for r in failing if r.since > healthy_since)
 
 
+#: The last `growth_per_s`, with the very tuple of readings it came from (immutable): the
+#: decision and `next_due` both ask for the history the decision has just made.
+_last_growth: Last[tuple[Sequence[tuple[float, int]], float | None]] = Last()
+
+
 def growth_per_s(history: Sequence[tuple[float, int]]) -> float | None:
     """Replicas per second the needed count rose over `history` (None: too little data): the
     least-squares slope, so that one old low point does not read as a rising trend; 0 once the
     count has come down from its peak within the window (needed only falls after a whole
     stabilisation window of lower load: whatever rose before has passed, nothing grows now)."""
+    last = _last_growth.entry
+    if last is not None and last[0] is history:
+        return last[1]
+    slope = _slope(history)
+    if isinstance(history, tuple):
+        _last_growth.entry = (history, slope)
+    return slope
+
+
+def _slope(history: Sequence[tuple[float, int]]) -> float | None:
     n = len(history)
     if n < 2 or history[-1][0] - history[0][0] <= 0:
         return None
@@ -761,6 +781,70 @@ def forecast_peak(
 # -- helpers ------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class _ServiceReplicas:
+    """What the scale decision reads of one service's replicas, worked out once per tuple of
+    replicas (`_replicas_of`)."""
+
+    replicas: tuple[ReplicaView, ...]  # in the order of the snapshot's replicas
+    supply: ReplicaSupply
+    held_gpus: int  # GPUs its replicas hold (`GPU_HOLDING_REPLICA_STATES`)
+    failing: int  # `failures_in_a_row`
+    scraped: bool  # some replica is SERVING or DRAINING
+
+
+#: The last `_replicas_of`, with the very services and replicas tuples it came from (immutable).
+_last_grouped: Last[
+    tuple[tuple[ServiceRules, ...], tuple[ReplicaView, ...], Mapping[str, _ServiceReplicas]]
+] = Last()
+
+
+def _replicas_of(
+    services: tuple[ServiceRules, ...], current: tuple[ReplicaView, ...]
+) -> Mapping[str, _ServiceReplicas]:
+    """Each service's replicas and what the scale decision reads of them (read-only); kept for the
+    same tuples of (frozen) services and replicas, which the controller hands in unchanged while
+    no replica moves (most ticks)."""
+    last = _last_grouped.entry
+    if last is not None and last[0] is services and last[1] is current:
+        return last[2]
+    mine: dict[str, list[ReplicaView]] = {s.name: [] for s in services}
+    for r in current:
+        if r.service in mine:
+            mine[r.service].append(r)
+    out: dict[str, _ServiceReplicas] = {}
+    for name, replicas in mine.items():
+        states = [r.state for r in replicas]
+        out[name] = _ServiceReplicas(
+            replicas=tuple(replicas),
+            supply=ReplicaSupply(
+                serving=states.count(R.SERVING),
+                starting=states.count(R.STARTING),
+                waking=states.count(R.WAKING),
+            ),
+            held_gpus=sum([len(r.gpus) for r in replicas if r.state in GPU_HOLDING_REPLICA_STATES]),
+            failing=failures_in_a_row(replicas),
+            scraped=any(r.state in _SCRAPED for r in replicas),
+        )
+    result = MappingProxyType(out)
+    _last_grouped.entry = (services, current, result)
+    return result
+
+
+_last_fresh: Last[tuple[tuple[ReplicaSignals, ...], bool]] = Last()
+
+
+def _any_fresh(signals: tuple[ReplicaSignals, ...]) -> bool:
+    """Some replica's signals are not stale; kept for the same tuple of (frozen) signals, which a
+    metrics source may hand back while its figures stay the same (the simulator's)."""
+    last = _last_fresh.entry
+    if last is not None and last[0] is signals:
+        return last[1]
+    fresh = any(not s.stale for s in signals)
+    _last_fresh.entry = (signals, fresh)
+    return fresh
+
+
 def _count_in(states: list[ReplicaState | None], wanted: Iterable[ReplicaState]) -> int:
     """How many of `states` are among `wanted` (distinct states): counted in C, once per state."""
     return sum(states.count(s) for s in wanted)
@@ -783,6 +867,26 @@ def _window(history: tuple[tuple[float, int], ...], since: float) -> tuple[tuple
     while start < len(history) and history[start][0] < since:
         start += 1
     return history[start:] if start else history
+
+
+#: The last `_specs_of`, with the very tuple of services it came from.
+_last_specs: Last[tuple[tuple[ServiceRules, ...], tuple[Mapping[str, ServiceSpec], Mapping[str, float]]]] = (
+    Last()
+)
+
+
+def _specs_of(services: tuple[ServiceRules, ...]) -> tuple[Mapping[str, ServiceSpec], Mapping[str, float]]:
+    """Each service's spec and reclaim grace by name (read-only), once per tuple of (frozen)
+    services: the controller hands every snapshot the same one."""
+    last = _last_specs.entry
+    if last is not None and last[0] is services:
+        return last[1]
+    result = (
+        MappingProxyType({s.name: s.spec for s in services}),
+        MappingProxyType({s.name: s.reclaim_grace_s for s in services}),
+    )
+    _last_specs.entry = (services, result)
+    return result
 
 
 #: The last nodes `_pool_gpus` counted and their GPUs (the loop passes the same tuple each tick).
@@ -816,7 +920,6 @@ def _kept_service_view(
     rules: ServiceRules,
     target: int,
     current: tuple[ReplicaView, ...],
-    by_id: Mapping[str, ReplicaView],
     snapshot: InferenceSnapshot,
 ) -> ServiceView:
     """`_service_view`, kept for the same rules, target, tuple of replicas and in-flight counts:
@@ -824,7 +927,7 @@ def _kept_service_view(
     Not with `drain_from_metrics`, where a draining replica's count comes from this tick's
     signals."""
     if rules.drain_from_metrics:
-        return _service_view(rules, target, by_id, snapshot)
+        return _service_view(rules, target, {r.id: r for r in current}, snapshot)
     last = _LAST_VIEWS.get(rules.name)
     if (
         last is not None
@@ -834,7 +937,11 @@ def _kept_service_view(
         and last[3] == snapshot.in_flight
     ):
         return last[4]
-    view = _service_view(rules, target, by_id, snapshot)
+    view = _service_view(rules, target, {r.id: r for r in current}, snapshot)
+    if last is not None and last[4].replicas == view.replicas:
+        # The same slots (a new target only): the last tuple, which what is kept per tuple of
+        # slots (`policy.replicas.supply_and_draining`) recognises.
+        view = ServiceView(view.spec, view.desired, last[4].replicas, view.drain_timeout_s)
     if len(_LAST_VIEWS) >= 256:
         _LAST_VIEWS.clear()
     _LAST_VIEWS[rules.name] = (rules, target, current, dict(snapshot.in_flight), view)
@@ -856,7 +963,7 @@ def _service_view(
             in_flight = _metrics_in_flight(snapshot.signals.get(spec.name), rid)
         else:
             in_flight = in_flight_of.get(rid, 0)
-        slots.append(r if r.in_flight == in_flight else replace(r, in_flight=in_flight))
+        slots.append(r if r.in_flight == in_flight else evolve(r, in_flight=in_flight))
     return ServiceView(spec, target, tuple(slots), rules.drain_timeout_s)
 
 
@@ -885,14 +992,32 @@ _last_busy: Last[tuple[Mapping[str, frozenset[int]], tuple[ReplicaView, ...], Ma
 def _step_gpus(running: tuple[RunningStep, ...]) -> _StepGpus:
     """The running steps' GPU indices per node (read-only), how many GPUs that is, and how many
     of them steps without notice hold. The store hands back the same tuple of (frozen) running
-    steps while none starts or ends, so the last answer is kept for that very tuple."""
+    steps while none starts or ends, so the last answer is kept for that very tuple; a new tuple
+    whose steps hold the same GPUs with the same notice (a checkpoint only moved a step's
+    `last_checkpoint_at`) gets the same answer, as the same object (so `_busy` and
+    `_not_offered`, kept by its identity, are not worked out again)."""
     last = _last_steps.entry
-    if last is not None and last[0] is running:
-        return last[1]
+    if last is not None:
+        if last[0] is running:
+            return last[1]
+        if _same_holdings(last[0], running):
+            _last_steps.entry = (running, last[1])
+            return last[1]
     held, lent, active = _count_step_gpus(running)
     result = (MappingProxyType({node: frozenset(v) for node, v in held.items()}), lent, active)
     _last_steps.entry = (running, result)
     return result
+
+
+def _same_holdings(a: tuple[RunningStep, ...], b: tuple[RunningStep, ...]) -> bool:
+    """The same steps' GPUs in the same order: each pair the same step object, or holding the same
+    GPUs of the same node with the same notice (all `_count_step_gpus` reads)."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if x is not y and (x.gpus != y.gpus or x.node != y.node or x.stopping != y.stopping):
+            return False
+    return True
 
 
 def _busy(
@@ -904,9 +1029,23 @@ def _busy(
     last = _last_busy.entry
     if last is not None and last[0] is step_gpus and last[1] is replicas:
         return last[2]
-    busy = MappingProxyType(_union(step_gpus, _replica_gpus(replicas)))
+    busy = MappingProxyType(_union(step_gpus, _kept_replica_gpus(replicas)))
     _last_busy.entry = (step_gpus, replicas, busy)
     return busy
+
+
+_last_replica_gpus: Last[tuple[tuple[ReplicaView, ...], Mapping[str, frozenset[int]]]] = Last()
+
+
+def _kept_replica_gpus(replicas: tuple[ReplicaView, ...]) -> Mapping[str, frozenset[int]]:
+    """`_replica_gpus` as read-only frozen sets, kept for the same tuple of (frozen) replicas: the
+    running steps change far more often than the replicas do."""
+    last = _last_replica_gpus.entry
+    if last is not None and last[0] is replicas:
+        return last[1]
+    held = MappingProxyType({node: frozenset(v) for node, v in _replica_gpus(replicas).items()})
+    _last_replica_gpus.entry = (replicas, held)
+    return held
 
 
 _last_affinity: Last[tuple[tuple[ReplicaView, ...], Mapping[str, frozenset[int]]]] = Last()
@@ -925,6 +1064,21 @@ def _affinity(replicas: tuple[ReplicaView, ...]) -> Mapping[str, frozenset[int]]
     affinity = MappingProxyType({node: frozenset(v) for node, v in found.items()})
     _last_affinity.entry = (replicas, affinity)
     return affinity
+
+
+_last_restarts: Last[tuple[Sequence[ReplicaView], tuple[float, ...]]] = Last()
+
+
+def _restart_times(replicas: Sequence[ReplicaView]) -> tuple[float, ...]:
+    """The restart times (`retry_at`, when set) of the FAILED replicas; kept for the same tuple
+    of (frozen) replicas, as `_busy` is."""
+    last = _last_restarts.entry
+    if last is not None and last[0] is replicas:
+        return last[1]
+    times = tuple([r.retry_at for r in replicas if r.state == R.FAILED and r.retry_at])
+    if isinstance(replicas, tuple):
+        _last_restarts.entry = (replicas, times)
+    return times
 
 
 def _count_step_gpus(running: Iterable[RunningStep]) -> tuple[dict[str, set[int]], int, int]:
@@ -960,8 +1114,22 @@ def _union(a: Mapping[str, Set[int]], b: Mapping[str, Set[int]]) -> dict[str, Se
 
 
 _Frozen = dict[str, frozenset[int]]
-#: The inputs and result of the last `_not_offered` (see there); replaced whole, never mutated.
-_last_offer: Last[tuple[tuple[Node, ...], int, _Frozen, _Frozen, _Frozen, frozenset[GpuRef]]] = Last()
+_Index = Mapping[str, Set[int]]
+#: The inputs and result of the last `_not_offered` (see there), and the very mappings it was
+#: given; replaced whole, never mutated.
+_last_offer: Last[
+    tuple[
+        tuple[Node, ...],
+        int,
+        _Index,
+        _Index,
+        _Index,
+        frozenset[GpuRef],
+        _Index | None,
+        _Index | None,
+        _Index | None,
+    ]
+] = Last()
 
 
 def _not_offered(
@@ -976,23 +1144,43 @@ def _not_offered(
     A pure function of its arguments, which are mostly equal tick after tick (the pool changes
     hands far less often than the loop ticks): the last inputs are kept as frozen copies with
     the result, and equal inputs (compared by value, in C) give that result again instead of a
-    pass over every node and GPU."""
+    pass over every node and GPU. The mappings are first compared by identity with those of the
+    last call (kept in the entry): `_busy`, `_affinity` and `_step_gpus` hand back the same
+    read-only mappings while their inputs stay the same, and nothing changes them."""
     last = _last_offer.entry
     if (
         last is not None
         and (last[0] is nodes or last[0] == nodes)
         and last[1] == new_lendable
-        and last[2] == busy
-        and last[3] == affinity
-        and last[4] == steps
+        and (last[6] is busy or last[2] == busy)
+        and (last[7] is affinity or last[3] == affinity)
+        and (last[8] is steps or last[4] == steps)
     ):
+        if last[6] is not busy or last[7] is not affinity or last[8] is not steps:
+            _last_offer.entry = (*last[:6], _read_only(busy), _read_only(affinity), _read_only(steps))
         return last[5]
     result = _all_offered(nodes, busy, new_lendable, steps)
     if result is None:
         offer = research_offer(nodes, busy=busy, affinity=affinity, new_lendable=new_lendable)
         result = _unavailable(nodes, steps, offer)
-    _last_offer.entry = (nodes, new_lendable, _frozen(busy), _frozen(affinity), _frozen(steps), result)
+    _last_offer.entry = (
+        nodes,
+        new_lendable,
+        _frozen(busy),
+        _frozen(affinity),
+        _frozen(steps),
+        result,
+        _read_only(busy),
+        _read_only(affinity),
+        _read_only(steps),
+    )
     return result
+
+
+def _read_only(index: _Index) -> _Index | None:
+    """`index` when it is one of this module's read-only mappings (built here over a dict nobody
+    else holds), which may then be recognised by identity; None for anything else."""
+    return index if type(index) is MappingProxyType else None
 
 
 def _all_offered(
@@ -1003,6 +1191,26 @@ def _all_offered(
     the GPUs research may not use are those busy but not held by a step. None otherwise."""
     if new_lendable <= 0:
         return None
+    # The GPUs and the idle count depend on the nodes and the GPUs only, not on `new_lendable`:
+    # kept for the very same read-only mappings (the envelope moves more often than the GPUs).
+    last = _last_idle.entry
+    if last is not None and last[0] is nodes and last[1] is busy and last[2] is steps:
+        idle, result = last[3], last[4]
+    else:
+        idle, result = _idle_and_taken(nodes, busy, steps)
+        if _read_only(busy) is not None and _read_only(steps) is not None:
+            _last_idle.entry = (nodes, busy, steps, idle, result)
+    return None if idle > new_lendable else result
+
+
+#: The last `_idle_and_taken`, with the very nodes and read-only mappings it came from.
+_last_idle: Last[tuple[tuple[Node, ...], _Index, _Index, int, frozenset[GpuRef]]] = Last()
+
+
+def _idle_and_taken(
+    nodes: tuple[Node, ...], busy: Mapping[str, Set[int]], steps: Mapping[str, Set[int]]
+) -> tuple[int, frozenset[GpuRef]]:
+    """How many GPUs are idle, and the busy GPUs no step holds."""
     key: list[tuple[str, tuple[int, ...]]] = []
     idle = 0
     for n in nodes:
@@ -1011,16 +1219,41 @@ def _all_offered(
             idle += len(n.gpus)
             key.append((n.name, ()))
             continue
-        mine = steps.get(n.name) or ()
-        taken = [i for i in n.gpus if i in held]
-        idle += len(n.gpus) - len(taken)
-        key.append((n.name, tuple([i for i in taken if i not in mine]) if mine else tuple(taken)))
-    if idle > new_lendable:
-        return None
-    return _gpu_set(tuple(key))
+        mine = steps.get(n.name)
+        if type(held) is frozenset and (mine is None or type(mine) is frozenset):
+            # Most nodes hold the same GPUs as at the last call: their part is looked up.
+            memo = (id(n), held, mine)
+            hit = _NODE_TAKEN.get(memo)
+            if hit is None or hit[0] is not n:
+                hit = (n, *_node_taken(n, held, mine))
+                if len(_NODE_TAKEN) >= _NODE_TAKEN_MAX:
+                    _NODE_TAKEN.clear()
+                _NODE_TAKEN[memo] = hit
+            _, taken, rest = hit
+        else:
+            taken, rest = _node_taken(n, held, mine)
+        idle += len(n.gpus) - taken
+        key.append((n.name, rest))
+    return idle, _gpu_set(tuple(key))
 
 
-def _frozen(index: Mapping[str, Set[int]]) -> _Frozen:
+#: `_node_taken` by (id of the node, its busy indices, its steps' indices), with the node kept (so
+#: its id cannot be reused while the entry lives, and a hit is checked by identity).
+_NODE_TAKEN: dict[tuple[int, frozenset[int], frozenset[int] | None], tuple[Node, int, tuple[int, ...]]] = {}
+_NODE_TAKEN_MAX = 8192
+
+
+def _node_taken(n: Node, held: Set[int], mine: Set[int] | None) -> tuple[int, tuple[int, ...]]:
+    """How many of the node's GPUs are busy, and those of them no step holds, in node order."""
+    taken = [i for i in n.gpus if i in held]
+    return len(taken), tuple([i for i in taken if i not in mine]) if mine else tuple(taken)
+
+
+def _frozen(index: Mapping[str, Set[int]]) -> _Index:
+    """A frozen copy of `index`; one of this module's read-only mappings (`_read_only`: made here,
+    over frozen sets) is one already."""
+    if type(index) is MappingProxyType:
+        return index
     return {node: frozenset(indices) for node, indices in index.items()}
 
 

@@ -49,7 +49,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta
 from functools import lru_cache
-from types import MappingProxyType
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from lowtide.domain.gpus import GpuRef, Node
@@ -403,11 +402,13 @@ def gpu_shares(
 @lru_cache(maxsize=4096)
 def _replica_shares(
     node: str, indices: tuple[int, ...], residual: float, total: float | None
-) -> Mapping[GpuRef, GpuShare]:
+) -> dict[GpuRef, GpuShare]:
     """One sleeping replica's GPUs and the share each holds (`gpu_shares` with that replica
-    alone); the same replica sleeps on the same GPUs tick after tick. Read-only."""
+    alone); the same replica sleeps on the same GPUs tick after tick. Never changed: it is kept
+    (a plain dict only so that `dict.update` copies it with the hashes it holds, instead of
+    hashing every `GpuRef` again, as it must for any other mapping)."""
     share = GpuShare(residual, None if total is None else max(0.0, total - residual))
-    return MappingProxyType({GpuRef(node, i): share for i in indices})
+    return {GpuRef(node, i): share for i in indices}
 
 
 def step_gpu_share(shares: Mapping[GpuRef, GpuShare], node: str, gpus: Iterable[int]) -> GpuShare | None:

@@ -7,8 +7,9 @@ dataclasses, tuples, frozensets, read-only mappings of frozensets, or frozen cop
 arguments), and a hit is checked either by identity against the kept object itself (which, being
 kept, cannot be freed and its id reused) or by value. So a hit gives exactly the answer the
 function would compute, and a decision never depends on what was remembered.
-Neighbours: `policy.inference`, `policy.replicas`, `policy.autoscale`. Must not: hold anything but
-the last entry, or be read for anything but its user's own answer.
+Neighbours: `policy.inference`, `policy.replicas`, `policy.autoscale`, `policy.placement`,
+`policy.reclaim_phases`, `policy.snapshot`. Must not: hold anything but the last entry, or be read
+for anything but its user's own answer.
 """
 
 from __future__ import annotations

@@ -29,7 +29,10 @@ fits (the same free count) the node where the take includes the fewest GPUs unde
 replicas comes first, and within a node those GPUs are taken last; with no sleeping replica's
 residual anywhere (`gpu_shares` empty) nothing differs from plain best fit. `_usable` does not
 read the shares, so its memo keys stay what they were; the nodes' GPU memory (`_memory_of`) is
-remembered by the identity of the kept `nodes` tuple (`policy.memo.Last`), its only input.
+remembered by the identity of the kept `nodes` tuple (`policy.memo.Last`), its only input. The
+running steps' GPUs per node (`_held`, also for a new tuple of steps on the same GPUs), the
+shares by node (`_by_node`) and each node's free GPUs, capacity and shares (`_parts`) are kept
+from the last decision for the same inputs; the constructor copies what a decision changes.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from types import MappingProxyType
 from lowtide.domain.gpus import GpuRef, Node
 from lowtide.policy.lending import GpuShare
 from lowtide.policy.memo import Last
-from lowtide.policy.snapshot import Snapshot
+from lowtide.policy.snapshot import RunningStep, Snapshot
 
 _NO_EXCLUSIONS: frozenset[str] = frozenset()
 
@@ -76,25 +79,29 @@ class FreeGpus:
 
     @classmethod
     def from_snapshot(cls, snapshot: Snapshot) -> FreeGpus:
-        """The nodes' GPUs minus those of running steps, minus `snapshot.unavailable`."""
-        held: dict[str, set[int]] = {}
-        for step in snapshot.running:
-            mine = held.get(step.node)
-            if mine is None:
-                held[step.node] = set(step.gpus)
-            else:
-                mine.update(step.gpus)
-        free: dict[str, list[int]] = {}
-        capacity: dict[str, int] = {}
-        shared = _by_node(snapshot.gpu_shares)
-        shares: dict[str, dict[int, GpuShare]] = {}
-        for name, usable in _usable(snapshot.nodes, snapshot.unavailable):
-            capacity[name] = len(usable)
-            busy = held.get(name)
-            free[name] = [i for i in usable if i not in busy] if busy else list(usable)
-            under = shared.get(name)
-            if under:  # only the usable ones: capacity_for counts them
-                shares[name] = {i: under[i] for i in usable if i in under}
+        """The nodes' GPUs minus those of running steps, minus `snapshot.unavailable`.
+
+        Its parts are kept from the last call for the same running steps' GPUs (`_held`), the
+        same usable GPUs (`_usable`) and the same read-only shares: the loop hands most ticks
+        the same ones (the constructor copies what a decision changes)."""
+        held = _held(snapshot.running)
+        usable = _usable(snapshot.nodes, snapshot.unavailable)
+        gpu_shares = snapshot.gpu_shares
+        shares_key: object = (
+            gpu_shares if type(gpu_shares) is MappingProxyType else (_EMPTY if not gpu_shares else None)
+        )
+        last = _last_parts.entry
+        if (
+            last is not None
+            and shares_key is not None
+            and last[0] is held
+            and last[1] is usable
+            and last[2] is shares_key
+        ):
+            free, capacity, shares = last[3]
+        else:
+            free, capacity, shares = _parts(held, usable, gpu_shares)
+            _last_parts.entry = (held, usable, shares_key, (free, capacity, shares))
         return cls(free, capacity, shares=shares, memory=_memory_of(snapshot.nodes))
 
     # --- queries -----------------------------------------------------------------------------
@@ -327,6 +334,59 @@ def _enough(share: GpuShare, need_gib: float) -> bool:
 
 
 #: The last nodes `_memory_of` looked at and its answer (the loop passes the same tuple each tick).
+_Parts = tuple[dict[str, list[int]], dict[str, int], dict[str, dict[int, GpuShare]]]
+_EMPTY = object()  # no GPU shares (an empty mapping), as the key of `_last_parts`
+#: The last `_parts`, with the very held GPUs, usable GPUs and shares (or `_EMPTY`) it came from.
+_last_parts: Last[tuple[Mapping[str, frozenset[int]], _Usable, object, _Parts]] = Last()
+
+
+def _parts(
+    held: Mapping[str, frozenset[int]], usable: _Usable, gpu_shares: Mapping[GpuRef, GpuShare]
+) -> _Parts:
+    """Each node's free GPUs, capacity and usable GPUs under sleeping replicas (`from_snapshot`)."""
+    free: dict[str, list[int]] = {}
+    capacity: dict[str, int] = {}
+    shared = _by_node(gpu_shares)
+    shares: dict[str, dict[int, GpuShare]] = {}
+    for name, indices in usable:
+        capacity[name] = len(indices)
+        busy = held.get(name)
+        free[name] = [i for i in indices if i not in busy] if busy else list(indices)
+        under = shared.get(name)
+        if under:  # only the usable ones: capacity_for counts them
+            shares[name] = {i: under[i] for i in indices if i in under}
+    return free, capacity, shares
+
+
+#: The last `_held`, with the very tuple of running steps it came from (immutable).
+_last_held: Last[tuple[tuple[RunningStep, ...], Mapping[str, frozenset[int]]]] = Last()
+
+
+def _held(running: tuple[RunningStep, ...]) -> Mapping[str, frozenset[int]]:
+    """The running steps' GPU indices per node (read-only). Kept for the same tuple, and for a
+    new tuple whose steps hold the same GPUs of the same nodes in the same order (a checkpoint
+    moved only a step's `last_checkpoint_at`): then the same object is handed back."""
+    last = _last_held.entry
+    if last is not None:
+        if last[0] is running:
+            return last[1]
+        if len(last[0]) == len(running) and all(
+            a is b or (a.gpus == b.gpus and a.node == b.node) for a, b in zip(last[0], running, strict=True)
+        ):
+            _last_held.entry = (running, last[1])
+            return last[1]
+    held: dict[str, set[int]] = {}
+    for step in running:
+        mine = held.get(step.node)
+        if mine is None:
+            held[step.node] = set(step.gpus)
+        else:
+            mine.update(step.gpus)
+    result = MappingProxyType({node: frozenset(v) for node, v in held.items()})
+    _last_held.entry = (running, result)
+    return result
+
+
 _last_memory: Last[tuple[tuple[Node, ...], Mapping[str, float | None]]] = Last()
 
 
@@ -341,10 +401,21 @@ def _memory_of(nodes: tuple[Node, ...]) -> Mapping[str, float | None]:
     return memory
 
 
+#: The last `_by_node`, with the very read-only shares mapping it came from.
+_last_by_node: Last[tuple[Mapping[GpuRef, GpuShare], dict[str, dict[int, GpuShare]]]] = Last()
+
+
 def _by_node(shares: Mapping[GpuRef, GpuShare]) -> dict[str, dict[int, GpuShare]]:
+    """The shares by node and GPU index (the caller only reads it). Kept for the same read-only
+    mapping (the loop hands the inference half's, unchanged while the sleeping replicas are)."""
+    last = _last_by_node.entry
+    if last is not None and last[0] is shares:
+        return last[1]
     out: dict[str, dict[int, GpuShare]] = {}
     for ref, share in shares.items():
         out.setdefault(ref.node, {})[ref.index] = share
+    if type(shares) is MappingProxyType:
+        _last_by_node.entry = (shares, out)
     return out
 
 

@@ -50,6 +50,7 @@ from lowtide.domain.states import (
 )
 from lowtide.policy.inference_snapshot import ReclaimFact
 from lowtide.policy.lending import Envelope
+from lowtide.policy.memo import Last
 from lowtide.policy.reclaim import ReclaimPlan, ReclaimRequest, ReplicaNeed, RunningVictim, plan_reclaim
 from lowtide.policy.replicas import ReplicaPlan, ReplicaView
 from lowtide.policy.snapshot import RunningStep
@@ -182,7 +183,7 @@ def decide_reclaim(
         surge.setdefault(need.service, now)
     if active_lent is None:
         active_lent = sum(len(s.gpus) for s in running if not s.stopping)
-    plan = ReclaimPlan()
+    plan = _NO_RECLAIM
     if needs or active_lent > envelope.lendable_gpus:
         # Only now are the running steps worth converting: on the common tick nothing is missing
         # and nothing is over the envelope, so `plan_reclaim` would choose no victim.
@@ -214,16 +215,28 @@ def decide_reclaim(
 
 
 _COMING_UP = frozenset({R.STARTING, R.WAKING})
+_NO_RECLAIM = ReclaimPlan()  # the common tick's plan (frozen: one for all)
+
+
+#: The last `coming_up`, with the very tuple of (frozen) replicas it came from.
+_last_coming_up: Last[tuple[Sequence[ReplicaView], str | None]] = Last()
 
 
 def coming_up(replicas: Sequence[ReplicaView]) -> str | None:
     """The service with the most replicas starting or waking (ties: name), or None: when lending
-    shrinks with no deficit left, the GPUs come back for the service whose claim grew this way."""
+    shrinks with no deficit left, the GPUs come back for the service whose claim grew this way.
+    Kept for the same tuple of replicas (most ticks hand in the last tick's)."""
+    last = _last_coming_up.entry
+    if last is not None and last[0] is replicas:
+        return last[1]
     counts: dict[str, int] = {}
     for r in replicas:
         if r.state in _COMING_UP:
             counts[r.service] = counts.get(r.service, 0) + 1
-    return max(counts, key=lambda s: (counts[s], s), default=None)
+    result = max(counts, key=lambda s: (counts[s], s), default=None)
+    if isinstance(replicas, tuple):
+        _last_coming_up.entry = (replicas, result)
+    return result
 
 
 def replica_needs(

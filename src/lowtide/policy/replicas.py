@@ -112,6 +112,9 @@ def plan_replicas(
     return plan_replicas_on(services, nodes, by_node(busy), now)
 
 
+_NO_PLAN = ReplicaPlan()
+
+
 def plan_replicas_on(
     services: Iterable[ServiceView], nodes: tuple[Node, ...], busy: GpuIndex, now: float
 ) -> ReplicaPlan:
@@ -122,6 +125,8 @@ def plan_replicas_on(
     pool = _Pool(services, nodes, busy)
     for svc in services:
         _plan_service(svc, pool, nodes, now, actions, blocked)
+    if not actions and not blocked:
+        return _NO_PLAN  # the common tick (frozen: one for all)
     return ReplicaPlan(tuple(actions), tuple(blocked))
 
 
@@ -209,11 +214,10 @@ def _plan_service(
     blocked: list[Blocked],
 ) -> None:
     spec = svc.spec
-    supply = [r for r in svc.replicas if r.state in SUPPLY_REPLICA_STATES]
-    draining = sorted(
-        (r for r in svc.replicas if r.state == R.DRAINING), key=lambda r: (-r.in_flight, r.slot)
-    )
-    missing = svc.desired - len(supply)
+    supplied, draining = supply_and_draining(svc.replicas)
+    missing = svc.desired - supplied
+    if missing == 0 and not draining:
+        return  # the common tick: nothing to park, bring up or drain
 
     # Park what has drained (whether or not more replicas are needed: undrain comes first below).
     if missing <= 0:
@@ -252,9 +256,29 @@ def _plan_service(
                     spec.name,
                     r.node,
                     r.gpus,
-                    f"{len(supply)} replicas, {svc.desired} desired: drain before parking",
+                    f"{supplied} replicas, {svc.desired} desired: drain before parking",
                 )
             )
+
+
+#: The last `supply_and_draining`, with the very tuple of replicas it came from (immutable).
+_last_supply: Last[tuple[tuple[ReplicaView, ...], tuple[int, tuple[ReplicaView, ...]]]] = Last()
+
+
+def supply_and_draining(replicas: tuple[ReplicaView, ...]) -> tuple[int, tuple[ReplicaView, ...]]:
+    """How many of a service's replicas count as supply, and its DRAINING ones, most in flight
+    first (then by slot); kept for the same tuple of (frozen) replica views, which the inference
+    decision hands in unchanged while the service's replicas and target stay the same."""
+    last = _last_supply.entry
+    if last is not None and last[0] is replicas:
+        return last[1]
+    supplied = sum(1 for r in replicas if r.state in SUPPLY_REPLICA_STATES)
+    draining = tuple(
+        sorted((r for r in replicas if r.state == R.DRAINING), key=lambda r: (-r.in_flight, r.slot))
+    )
+    result = (supplied, draining)
+    _last_supply.entry = (replicas, result)
+    return result
 
 
 def _bring_up(

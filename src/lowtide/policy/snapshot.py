@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 
 from lowtide.domain.gpus import GpuRef, Node
 from lowtide.policy.lending import GpuShare
+from lowtide.policy.memo import Last
+
+#: The last `Snapshot.total_gpus`, with the very nodes tuple it counted.
+_last_total: Last[tuple[tuple[Node, ...], int]] = Last()
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +76,24 @@ class Snapshot:
 
     @property
     def total_gpus(self) -> int:
-        return sum(n.gpu_count for n in self.nodes)
+        """Every GPU of the nodes: counted once per tuple of (frozen) nodes, which the loop hands
+        every snapshot unchanged (`policy.memo.Last`)."""
+        nodes = self.nodes
+        last = _last_total.entry
+        if last is not None and last[0] is nodes:
+            return last[1]
+        total = sum(n.gpu_count for n in nodes)
+        _last_total.entry = (nodes, total)
+        return total
+
+    def with_inference(
+        self, unavailable: frozenset[GpuRef], gpu_shares: Mapping[GpuRef, GpuShare]
+    ) -> Snapshot:
+        """This snapshot with the inference half's answer (`dataclasses.replace` without its
+        per-call field walk: the loop does this every tick). Every field is passed on."""
+        return Snapshot(
+            self.now, self.nodes, self.running, self.queued, unavailable, self.team_usage, gpu_shares
+        )
 
     def cpu_steps_running(self) -> tuple[dict[str, int], dict[str, int]]:
         """Running CPU-only steps (stopping ones too: their processes still run), counted per

@@ -555,19 +555,23 @@ def _signals_of(load: ModelledLoad, now: float) -> Callable[[str], ReplicaSignal
     e2e_p90 = min(load.e2e_p90_s, E2E_SIGNAL_MAX_S) if observed else None
 
     def make(replica_id: str) -> ReplicaSignals:
+        # Positional, in `ReplicaSignals`' field order (a keyword call binds each name: slower
+        # at tens of replicas per load change); tests/unit/test_sim_capacity.py checks the order.
         return ReplicaSignals(
-            replica=replica_id,
-            at=now,
-            running=running,
-            waiting=waiting,
-            kv_usage=kv_usage,
-            kv_tokens_used=kv_tokens,
-            prompt_tokens_per_s=prompt,
-            generation_tokens_per_s=generation,
-            requests_per_s=requests,
-            ttft_p50_s=ttft_p50,
-            ttft_p90_s=ttft_p90,
-            e2e_p90_s=e2e_p90,
+            replica_id,
+            now,
+            running,
+            waiting,
+            kv_usage,
+            kv_tokens,
+            prompt,
+            generation,
+            requests,
+            ttft_p50,
+            ttft_p90,
+            None,  # ttft_p99_s
+            None,  # e2e_p50_s
+            e2e_p90,
         )
 
     return make

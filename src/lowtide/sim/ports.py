@@ -11,13 +11,16 @@ real step would, never from the simulator's own memory.
 after `startup_s`, a wake after `wake_s`, a park completes after `park_s`; events carry their exact
 time. `SimMetrics` implements `MetricsSource` from `sim.capacity` at the load curve's current rate
 (the same tuple of replica signals while the modelled load and the serving replicas stay the same).
-Each port also says when its next event is due (`next_event`), so the simulator can jump to it.
+Each port also says when its next event is due (`next_event`), so the simulator can jump to it;
+the executor keeps its attempts' next checkpoint reports in a heap and polls exits only once the
+earliest is due, so a tick costs nothing per running attempt while none of them has news.
 Neighbours: `sim.world` builds and drives them. Must not: decide anything (the production loop
 does), read the wall clock, or import real adapters.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -47,6 +50,7 @@ from lowtide.sim.load import LoadCurve
 #: Exit code of a step that checkpointed and left on notice (128 + SIGTERM, as shells report it).
 INTERRUPTED_EXIT = 143
 _SIGKILL = 9
+_NO_EXITS = PollReport()  # what a poll with nothing unacknowledged reports (frozen: one for all)
 _LABEL_PREFIX = "p"
 
 
@@ -135,6 +139,18 @@ class SimExecutor:
     _quiet_until: float = field(default=-math.inf, repr=False)
     # The earliest `exit_at` of the running attempts (None: recompute; see `next_event`).
     _next_exit: float | None = field(default=None, repr=False)
+    # Each running attempt's `first_report_at` as last worked out, and a heap of (time, attempt
+    # id) over them (an entry whose time is no longer the attempt's is skipped when popped): what
+    # `checkpoints_due` looks at, instead of every running attempt.
+    _report_at: dict[int, float] = field(default_factory=dict, repr=False)
+    _reports: list[tuple[float, int]] = field(default_factory=list, repr=False)
+
+    def _schedule_report(self, attempt_id: int, att: _Attempt) -> None:
+        at = att.first_report_at()
+        self._report_at[attempt_id] = at
+        if at < math.inf:
+            heapq.heappush(self._reports, (at, attempt_id))
+        self._quiet_until = min(self._quiet_until, at)
 
     def launch(self, request: LaunchRequest, now: float) -> AttemptHandle:
         behaviour = self.behaviours[request.job_id]
@@ -143,7 +159,7 @@ class SimExecutor:
         att = _Attempt(request, behaviour, now, saved, exit_at)
         self.running[request.attempt_id] = att
         self.held_gpus += len(request.gpus)
-        self._quiet_until = min(self._quiet_until, att.first_report_at())
+        self._schedule_report(request.attempt_id, att)
         self._next_exit = None
         self.launches += 1
         return AttemptHandle(f"sim/{request.attempt_id}", now, now)  # loading counts as running
@@ -158,7 +174,7 @@ class SimExecutor:
         if write_done <= deadline:
             att.notice_ckpt = (write_done, att.progress(now))
             att.exit_at, att.exit_code = write_done, INTERRUPTED_EXIT
-            self._quiet_until = min(self._quiet_until, write_done)
+            self._schedule_report(attempt_id, att)
         else:
             att.exit_at, att.exit_code, att.signal, att.killed = deadline, None, _SIGKILL, True
         self._next_exit = None
@@ -169,11 +185,17 @@ class SimExecutor:
         out: list[tuple[int, str, float]] = []
         if now < self._quiet_until:
             return out  # the common case: no attempt has anything new yet
-        quiet = math.inf
-        for aid, att in self.running.items():
-            if att.notice_ckpt is None and (periodic_at := att.next_checkpoint_at()) > now:
-                quiet = min(quiet, periodic_at)
-                continue  # nothing new since the last report
+        # The attempts whose first report is due by now, in id order (the order they were launched
+        # in, the order of `running`); the others have nothing new since their last report.
+        reports, report_at = self._reports, self._report_at
+        due: list[int] = []
+        while reports and reports[0][0] <= now:
+            at, aid = heapq.heappop(reports)
+            if report_at.get(aid) == at and aid in self.running:
+                due.append(aid)
+                del report_at[aid]  # worked out again below
+        for aid in sorted(due):
+            att = self.running[aid]
             when_progress: tuple[float, float] | None = None
             if att.notice_ckpt is not None and att.notice_ckpt[0] <= now:
                 when_progress = att.notice_ckpt
@@ -186,20 +208,26 @@ class SimExecutor:
             if when_progress is not None and when_progress[1] > att.recorded_s:
                 att.recorded_s = when_progress[1]
                 out.append((aid, checkpoint_label(when_progress[1]), when_progress[0]))
-            quiet = min(quiet, att.first_report_at())
-        self._quiet_until = quiet
+        for aid in due:  # pushed back only now: one due again by `now` waits for the next call
+            self._schedule_report(aid, self.running[aid])
+        while reports and report_at.get(reports[0][1]) != reports[0][0]:
+            heapq.heappop(reports)  # entries no longer an attempt's time
+        self._quiet_until = reports[0][0] if reports else math.inf
         return out
 
     def poll(self, now: float) -> PollReport:
-        for aid, att in list(self.running.items()):
-            if att.exit_at <= now:
-                self.unacked[aid] = AttemptExit(
-                    aid, att.exit_code, att.signal, att.exit_at, killed_at_deadline=att.killed
-                )
-                del self.running[aid]
-                self.held_gpus -= len(att.request.gpus)
-                self._next_exit = None
-        return PollReport(exits=tuple(self.unacked.values()))
+        soonest = self.next_event()
+        if soonest is not None and soonest <= now:  # else no attempt exits yet: no scan
+            for aid, att in list(self.running.items()):
+                if att.exit_at <= now:
+                    self.unacked[aid] = AttemptExit(
+                        aid, att.exit_code, att.signal, att.exit_at, killed_at_deadline=att.killed
+                    )
+                    del self.running[aid]
+                    self._report_at.pop(aid, None)
+                    self.held_gpus -= len(att.request.gpus)
+                    self._next_exit = None
+        return PollReport(exits=tuple(self.unacked.values())) if self.unacked else _NO_EXITS
 
     def ack_exit(self, attempt_id: int) -> None:
         self.unacked.pop(attempt_id, None)

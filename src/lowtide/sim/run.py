@@ -22,7 +22,7 @@ from lowtide.sim.oracle import oracle_harvest_gpu_seconds, oracle_idle_gpu_secon
 from lowtide.sim.policies import PolicyName
 from lowtide.sim.scenario import Scenario, policy_variant
 from lowtide.sim.summary import baseline_figures, oracle_summary, summarize
-from lowtide.sim.world import RunTrace, SimWorld
+from lowtide.sim.world import RunTrace, SimWorld, cyclic_gc_paused
 
 
 @dataclass
@@ -45,17 +45,18 @@ def run_one(
     oracle_harvest_s: float | None = None,
 ) -> PolicyRun:
     started = time.perf_counter()
-    world = SimWorld(policy_variant(scenario, policy))
-    trace = world.run()
-    summary = summarize(
-        world,
-        trace,
-        oracle_idle_s=oracle_s,
-        oracle_harvest_s=oracle_harvest_s,
-        price_per_gpu_hour=price,
-        currency=currency,
-        baseline=baseline,
-    )
+    with cyclic_gc_paused():  # the run, and the figures read from its large heap
+        world = SimWorld(policy_variant(scenario, policy))
+        trace = world.run()
+        summary = summarize(
+            world,
+            trace,
+            oracle_idle_s=oracle_s,
+            oracle_harvest_s=oracle_harvest_s,
+            price_per_gpu_hour=price,
+            currency=currency,
+            baseline=baseline,
+        )
     wall = time.perf_counter() - started
     summary["wall_s"] = wall
     summary["simulated_s_per_wall_s"] = scenario.days * 86400.0 / wall if wall > 0 else None

@@ -21,14 +21,19 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from lowtide.control.clock import FakeClock
 from lowtide.control.records import NewJob, ReplicaRecord
 from lowtide.domain.layout import ArtifactLayout
+from lowtide.domain.spec import JobSpec
+from lowtide.domain.spec_issues import is_valid_name
 from lowtide.domain.spec_parse import build_job_spec
 from lowtide.domain.spec_render import render_step
 from lowtide.domain.states import ReplicaState
+from lowtide.policy.evolve import evolve
 from lowtide.policy.outcomes import RetryPolicy
 from lowtide.sim.capacity import advance, slo_violation_s
 from lowtide.sim.harness import LoopHarness
@@ -98,21 +103,14 @@ class SimWorld:
         self._jobs = sorted(scenario.jobs, key=lambda j: (j.submit_s, j.name)) if submit else []
         self._next_job = 0
         self._pool_gpus = scenario.pool_gpus
+        self._shapes: dict[tuple[str, str, int], JobSpec] = {}  # `_job_spec`, by (team, priority, GPUs)
         self._counted: tuple[tuple[ReplicaRecord, ...], dict[str, int], int] | None = None
 
     # -- running -------------------------------------------------------------------------------
 
     def run(self) -> RunTrace:
-        # A tick allocates thousands of short-lived objects while the store keeps a large heap of
-        # long-lived ones: with CPython's default thresholds the collector runs every few
-        # ticks and walks that heap (~6 % of a run). Collections are made rarer for the run and
-        # the thresholds put back after it; what is collected, and any decision, is unchanged.
-        thresholds = gc.get_threshold()
-        gc.set_threshold(_GC_GEN0, *thresholds[1:])
-        try:
+        with cyclic_gc_paused():
             return self._run()
-        finally:
-            gc.set_threshold(*thresholds)
 
     def _run(self) -> RunTrace:
         s = self.scenario
@@ -151,9 +149,9 @@ class SimWorld:
     def _replica_counts(self) -> tuple[dict[str, int], int]:
         """Serving replicas per service, and the GPUs replicas hold (`_HOLDING`); counted again
         only when the store's (frozen) replica records are not those of the last count."""
-        records = tuple(self.store.replicas())
+        records = self.store.replica_records()
         last = self._counted
-        if last is not None and last[0] == records:
+        if last is not None and last[0] is records:
             return last[1], last[2]
         serving: dict[str, int] = {svc.name: 0 for svc in self.scenario.services}
         gpus = 0
@@ -190,23 +188,7 @@ class SimWorld:
             job = self._jobs[self._next_job]
             self._next_job += 1
             job_id = f"job-{self._next_job:012x}"
-            spec = build_job_spec(
-                {
-                    "name": job.name,
-                    "team": job.team,
-                    "priority": job.priority,
-                    "grace_seconds": s.steps.grace_s,
-                    "steps": [
-                        {
-                            "name": "train",
-                            "command": ["simulated"],
-                            "gpus": job.gpus,
-                            "checkpoint": True,
-                            "restart_seconds": s.steps.restart_s,
-                        }
-                    ],
-                }
-            )
+            spec = self._job_spec(job)
             resolved = tuple(render_step(spec, st, job_id=job_id, layout=LAYOUT) for st in spec.steps)
             submitted_at = s.start + job.submit_s
             self.store.create_job(NewJob(job_id, spec, resolved, "", "sim", submitted_at))
@@ -217,6 +199,35 @@ class SimWorld:
                 checkpoint_write_s=s.steps.checkpoint_write_s,
             )
             self.trace.submitted[job_id] = job
+
+    def _job_spec(self, job: ResearchJob) -> JobSpec:
+        """The validated spec of a trace job (`build_job_spec`). Jobs of the same team, priority
+        and size have the same spec but for the name, so it is built once per such shape and
+        given each job's (valid) name; a name `build_job_spec` would refuse goes through it."""
+        shape = (job.team, job.priority, job.gpus)
+        known = self._shapes.get(shape)
+        if known is not None and is_valid_name(job.name):
+            return evolve(known, name=job.name)
+        s = self.scenario
+        spec = build_job_spec(
+            {
+                "name": job.name,
+                "team": job.team,
+                "priority": job.priority,
+                "grace_seconds": s.steps.grace_s,
+                "steps": [
+                    {
+                        "name": "train",
+                        "command": ["simulated"],
+                        "gpus": job.gpus,
+                        "checkpoint": True,
+                        "restart_seconds": s.steps.restart_s,
+                    }
+                ],
+            }
+        )
+        self._shapes.setdefault(shape, spec)
+        return spec
 
     def _report_checkpoints(self, now: float) -> None:
         for attempt_id, label, at in self.executor.checkpoints_due(now):
@@ -263,8 +274,30 @@ class SimWorld:
         )
 
 
-#: The collector's generation-0 threshold during a run (CPython's default: 700 allocations).
-_GC_GEN0 = 50_000
+@contextmanager
+def cyclic_gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside (put back as it was after, and then run as usual).
+
+    A tick allocates thousands of short-lived objects while the store keeps a large heap of
+    long-lived ones; CPython's collector would now and then walk that whole heap (~6 % of a run,
+    even with rarer collections). The loop and the store make almost no reference cycles (a few
+    hundred objects over a 14-day run), and reference counting frees everything else as before,
+    so a run keeps at most those until the collector's next full collection after it. Nothing a decision
+    reads changes: the identity memos of `policy.memo` keep what they compare against alive."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            # Everything allocated meanwhile goes to the oldest generation (freeze, then unfreeze):
+            # re-enabled as it was, the collector would otherwise first walk the whole young
+            # heap the run left (~2 % of a 14-day run); the next full collection sees it all.
+            gc.freeze()
+            gc.unfreeze()
+            gc.enable()
+
+
 _HOLDING = frozenset({R.STARTING, R.SERVING, R.DRAINING, R.PARKING, R.WAKING})
 
 

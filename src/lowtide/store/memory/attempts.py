@@ -14,6 +14,7 @@ read the clock (every time is passed in).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from lowtide.control.executor_port import AttemptHandle
 from lowtide.control.records import (
@@ -95,6 +96,12 @@ class AttemptsPart(MemoryBase):
                 node=node,
                 gpus=gpus,
             )
+            # The step's part of the spec never changes: frozen once per step, shared by its
+            # attempts' records (equal to freezing it anew).
+            scoped = job.scoped_specs.get(step)
+            if scoped is None:
+                scoped = job.scoped_specs[step] = freeze(record["spec"])
+            record["spec"] = scoped
             last_checkpoint = row.last_checkpoint
             self._set_step(row, StepState.RUNNING, reason=reason, updated_at=now)
             att = AttemptRow(
@@ -139,9 +146,24 @@ class AttemptsPart(MemoryBase):
             att = self._attempts.get(attempt_id)
             if att is None:  # as an UPDATE of no row: nothing happens
                 return
-            self._set_attempt(att, att.state, handle=handle.ref, handle_started_at=handle.started_at)
+            values: dict[str, Any] = {"handle": handle.ref, "handle_started_at": handle.started_at}
+            target = att.state
+            # The handle and the start it reports in one move (one refresh of the indexes); the
+            # handle alone is recorded when that start is refused, as two moves would leave it.
+            change = None
             if handle.running_at is not None:
-                self._mark_running(att, handle.running_at)
+                change = rules.running_transition(
+                    att.state, att.running_at, att.started_at, handle.running_at
+                )
+            if change is not None:
+                if change[0] != att.state:
+                    try:
+                        self._check_attempt(att.id, att.state, change[0])
+                    except Exception:
+                        self._set_attempt(att, att.state, **values)
+                        raise
+                target, values["running_at"] = change
+            self._set_attempt(att, target, **values)
 
     def mark_running(self, attempt_id: int, at: float) -> None:
         with self._lock:
@@ -407,7 +429,7 @@ class AttemptsPart(MemoryBase):
             )
             step.last_checkpoint, step.last_checkpoint_at = label, now
             for active in list(step.active.values()):
-                self._refresh_attempt(active)
+                self._refresh_attempt(active, row_changed=False)
             message = rules.checkpoint_message(label, progress)
             self._event(job.id, step.name, attempt_id, now, "checkpoint", message)
             return True

@@ -12,7 +12,10 @@ queued steps (as `QueuedStep`), active attempts (as `RunningStep` and as `Attemp
 notices due, finished jobs the executor has not yet ended, and the jobs the DAG may move (their
 rows: a job's `JobView` is built when read and kept until the job or one of its steps moves, so a
 step move costs O(1) here, not O(steps); each job row counts its unfinished steps for
-`job_rules.job_may_move_counted`).
+`job_rules.job_may_move_counted`). An index entry equal to the one it holds is kept as the same
+object, and an attempt's record is rebuilt only when its own row changes (not when its step
+moves or checkpoints), so the loop's per-tick reads hand back the same tuples while nothing it
+sees changed.
 Neighbours: the parts (`jobs`, `attempts`, `pool`, `inference`, `tokens`) subclass this;
 `MemoryStore` in `__init__` composes them. Every rule comes from `policy` (`attempt_rules`,
 `job_rules`, `pool_rules`, `fairshare`), as in the SQL store.
@@ -25,8 +28,7 @@ import itertools
 import secrets
 import threading
 from collections.abc import Callable
-from dataclasses import replace
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from lowtide.control.lease import Fence, LeaseRecord, fenced_message
 from lowtide.control.records import (
@@ -54,6 +56,7 @@ from lowtide.domain.states import (
 )
 from lowtide.policy import attempt_rules as rules
 from lowtide.policy.dag import JobView, StepView
+from lowtide.policy.evolve import evolve
 from lowtide.policy.job_rules import is_open_step, job_may_move_counted
 from lowtide.policy.lending_history import LendingPoint
 from lowtide.policy.snapshot import QueuedStep, RunningStep
@@ -63,6 +66,7 @@ from lowtide.store.memory.rows import AttemptRow, JobRow, StepRow, assign
 from lowtide.store.memory.values import SortedIndex
 
 URL_SCHEME = "memory://"
+T = TypeVar("T")
 
 
 class MemoryBase:
@@ -274,11 +278,15 @@ class MemoryBase:
         else:
             self._queued.drop(step.id)
         for att in list(step.active.values()):
-            self._refresh_attempt(att)
+            self._refresh_attempt(att, row_changed=False)
 
-    def _refresh_attempt(self, att: AttemptRow) -> None:
-        """The attempt's record, and its place among the active attempts and notices due."""
-        att.cached = None
+    def _refresh_attempt(self, att: AttemptRow, *, row_changed: bool = True) -> None:
+        """The attempt's record, and its place among the active attempts and notices due.
+        `row_changed` False: only its step moved (its state, its last checkpoint), so its record,
+        a function of the attempt row alone, stays the one built last. An index entry equal to
+        the one it holds is kept as it is (the same object), so its tuple is not rebuilt."""
+        if row_changed:
+            att.cached = None
         step = att.step
         if att.state not in rules.ACTIVE_ATTEMPT_STATES:
             step.active.pop(att.id, None)
@@ -289,28 +297,27 @@ class MemoryBase:
         job = step.job
         step.active[att.id] = att
         self._active.put(att.id, self._attempt_record(att))
-        self._running.put(
-            att.id,
-            rules.running_step(
-                attempt_id=att.id,
-                attempt_state=att.state,
-                job_id=job.id,
-                step=step.name,
-                step_state=step.state,
-                team=job.team,
-                priority=job.priority,
-                node=att.node,
-                gpus=att.gpus,
-                started_at=att.started_at,
-                last_checkpoint_at=step.last_checkpoint_at,
-                min_runtime=step.min_runtime,
-                restart_seconds=step.restart_seconds,
-                owner=job.owner,
-            ),
+        running = rules.running_step(
+            attempt_id=att.id,
+            attempt_state=att.state,
+            job_id=job.id,
+            step=step.name,
+            step_state=step.state,
+            team=job.team,
+            priority=job.priority,
+            node=att.node,
+            gpus=att.gpus,
+            started_at=att.started_at,
+            last_checkpoint_at=step.last_checkpoint_at,
+            min_runtime=step.min_runtime,
+            restart_seconds=step.restart_seconds,
+            owner=job.owner,
         )
+        self._running.put(att.id, _same_or(self._running.get(att.id), running))
         if rules.notice_due(att.state, step.state):
             grace = rules.notice_grace(step.stop_grace, job.grace_seconds)
-            self._notices.put(att.id, NoticeDue(att.id, job.id, step.name, step.state, grace))
+            due = NoticeDue(att.id, job.id, step.name, step.state, grace)
+            self._notices.put(att.id, _same_or(self._notices.get(att.id), due))
         else:
             self._notices.drop(att.id)
 
@@ -319,8 +326,13 @@ class MemoryBase:
         token = self._tokens.get(token_id)
         if token is None or token.revoked_at is not None:
             return False
-        self._tokens[token_id] = replace(token, revoked_at=now)
+        self._tokens[token_id] = evolve(token, revoked_at=now)
         return True
+
+
+def _same_or(old: T | None, new: T) -> T:
+    """`old` when it equals `new` (frozen values: the index keeps the object it has), else `new`."""
+    return old if old is not None and old == new else new
 
 
 def count_state(counts: dict[str, int], state: Any, delta: int) -> None:

@@ -12,13 +12,14 @@ drive it. Must not: decide anything or read the clock.
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import fields
 from typing import Any
 
 from lowtide.control.records import NotFound, ReclaimRecord, ReplicaRecord, ServiceEventRecord, StaleState
 from lowtide.domain.gpus import GpuRef
 from lowtide.domain.states import RECLAIM_LIFECYCLE, REPLICA_LIFECYCLE, ReclaimState, ReplicaState
 from lowtide.policy.accounting import REPLICA
+from lowtide.policy.evolve import evolve
 from lowtide.policy.pool_rules import check_reclaim_update, replica_releases_gpus, replica_start_state
 from lowtide.store.memory.base import MemoryBase, count_state
 
@@ -37,6 +38,13 @@ class InferencePart(MemoryBase):
         with self._lock:
             every = self._replica_order.values()
             return list(every) if service is None else [r for r in every if r.service == service]
+
+    def replica_records(self) -> tuple[ReplicaRecord, ...]:
+        """Every replica, by service and slot, as the tuple the store keeps (not part of the
+        `Store` protocol: the simulator's world reads it to see whether anything moved; it is
+        the same object until a replica changes)."""
+        with self._lock:
+            return self._replica_order.values()
 
     def replica(self, replica_id: str) -> ReplicaRecord:
         with self._lock:
@@ -87,7 +95,7 @@ class InferencePart(MemoryBase):
                     **values,
                 )
             else:
-                rec = replace(current, state=target, **values)
+                rec = evolve(current, state=target, **values)
             self._put_replica(current, rec)
             self._ledger.hold(refs, kind=REPLICA, holder_id=replica_id, job_id=None, team=None, now=now)
             self._service_event(service, replica_id, now, target.value.lower(), reason)
@@ -119,7 +127,7 @@ class InferencePart(MemoryBase):
                 raise StaleState(f"replica {replica_id}: expected {expected}, cannot move to {target}")
             if "gpus" in columns:
                 columns["gpus"] = tuple(columns["gpus"])
-            self._put_replica(current, replace(current, state=target, **columns))
+            self._put_replica(current, evolve(current, state=target, **columns))
             if replica_releases_gpus(expected, target):
                 self._ledger.release(kind=REPLICA, holder_id=replica_id, now=now)
             self._service_event(current.service, replica_id, now, target.value.lower(), message)
@@ -185,7 +193,7 @@ class InferencePart(MemoryBase):
                     raise StaleState(f"reclaim {reclaim_id}: expected OPEN, cannot move to {target}")
             elif current is None or current.state != ReclaimState.OPEN:
                 raise StaleState(f"reclaim {reclaim_id} is not open")
-            self._put_reclaim(current, replace(current, state=target, **phases))
+            self._put_reclaim(current, evolve(current, state=target, **phases))
 
     def reclaims(self, *, state: ReclaimState | str | None = None, limit: int = 1000) -> list[ReclaimRecord]:
         """The last `limit` reclaims (in `state`, if given), oldest first (a negative limit: all)."""

@@ -40,14 +40,16 @@ class Interval:
 class Ledger:
     def __init__(self) -> None:
         self.intervals: list[Interval] = []  # every interval, in the order opened
-        self.open: dict[GpuRef, Interval] = {}
+        # The open interval of each GPU, by (node, index): a tuple hashes in C, a `GpuRef` (a
+        # frozen dataclass) in Python, and every booking looks a GPU up several times.
+        self.open: dict[tuple[str, int], Interval] = {}
         self._held: dict[tuple[str, str], list[GpuRef]] = {}
-        self._sorted: list[GpuRef] | None = []
+        self._sorted: list[tuple[str, int]] | None = []
 
     def ensure(self, managed: Iterable[GpuRef], now: float) -> None:
-        close, missing = reconcile_gpus({g: iv.holder_kind for g, iv in self.open.items()}, managed)
+        close, missing = reconcile_gpus({iv.gpu: iv.holder_kind for iv in self.open.values()}, managed)
         for gpu in close:
-            closing = self.open.pop(gpu)
+            closing = self.open.pop((gpu.node, gpu.index))
             closing.ended_at = _clamped(gpu, now, closing.started_at)
         for gpu in missing:
             self._open(Interval(gpu, IDLE, None, None, None, now))
@@ -56,12 +58,13 @@ class Ledger:
 
     def check_bookable(self, gpus: Sequence[GpuRef]) -> None:
         """Raise GpuBusy unless every GPU is idle now (and none is asked for twice)."""
-        seen: set[GpuRef] = set()
+        seen: set[tuple[str, int]] = set()
         for gpu in gpus:
-            current = self.open.get(gpu)
-            if gpu in seen or not bookable(None if current is None else current.holder_kind):
+            key = (gpu.node, gpu.index)
+            current = self.open.get(key)
+            if key in seen or not bookable(None if current is None else current.holder_kind):
                 raise GpuBusy(f"GPU {gpu} is not idle")
-            seen.add(gpu)
+            seen.add(key)
 
     def hold(
         self,
@@ -94,7 +97,7 @@ class Ledger:
         return max((iv.started_at for iv in self.open.values()), default=None)
 
     def current(self) -> Iterator[Interval]:
-        """The open interval of every GPU, by node and index."""
+        """The open interval of every GPU, by node and index (as `GpuRef`s sort)."""
         if self._sorted is None:
             self._sorted = sorted(self.open)
         return (self.open[g] for g in self._sorted)
@@ -105,14 +108,16 @@ class Ledger:
 
     def _close(self, gpu: GpuRef, now: float) -> float:
         """Close the GPU's open interval at `now` (clamped to its start); the instant used."""
-        current = self.open[gpu]
+        current = self.open[(gpu.node, gpu.index)]
         current.ended_at = at = _clamped(gpu, now, current.started_at)
         return at
 
     def _open(self, interval: Interval) -> None:
-        if interval.gpu not in self.open:
+        gpu = interval.gpu
+        key = (gpu.node, gpu.index)
+        if key not in self.open:
             self._sorted = None
-        self.open[interval.gpu] = interval
+        self.open[key] = interval
         self.intervals.append(interval)
 
 

@@ -46,6 +46,8 @@ class JobRow:
     open_steps: int = 0  # steps not finished (`job_rules.is_open_step`), kept by `base._set_step`
     view: JobView | None = None  # the DAG's view as last built; None after a job or step move
     spec_index: SpecIndex | None = None  # `attempt_rules.index_spec(spec)`, built at first start
+    #: Per step: its scoped spec (`SpecIndex.scoped`) frozen, as each attempt's record holds it.
+    scoped_specs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True, eq=False)
@@ -133,6 +135,7 @@ def assign(row: Any, values: dict[str, Any]) -> None:
             "open_steps",
             "view",
             "spec_index",
+            "scoped_specs",
         ):
             raise AttributeError(f"{name!r} is not a column")
         setattr(row, name, value)

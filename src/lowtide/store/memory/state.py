@@ -13,6 +13,9 @@ from lowtide.store.memory.base import MemoryBase
 
 #: The longest key (as `store.state_repo.MAX_KEY_LENGTH`; that module imports SQLAlchemy).
 MAX_KEY_LENGTH = 128
+#: `json.dumps(value, allow_nan=False)` without building an encoder per call (the inference memory
+#: is saved at most ticks of a simulation).
+_ENCODE = json.JSONEncoder(allow_nan=False).encode
 
 
 def check_key(key: str) -> None:
@@ -28,7 +31,7 @@ class StatePart(MemoryBase):
 
     def put_state(self, key: str, value: Any, *, now: float) -> None:
         check_key(key)
-        text = json.dumps(value, allow_nan=False)  # TypeError / ValueError, as the SQL store raises
+        text = _ENCODE(value)  # TypeError / ValueError, as the SQL store raises
         with self._lock:
             self._control_state[key] = (text, now)
 

@@ -122,6 +122,9 @@ class FrozenList(list[Any]):
 def freeze(value: Any) -> Any:
     """A JSON-like value with every dict and list (and tuple) made read-only; already frozen parts
     are shared, not copied. Keys become strings, as a JSON column's would."""
+    kind = type(value)
+    if kind is str or kind is int or kind is float or kind is bool or value is None:
+        return value  # the common leaf, tested first
     if isinstance(value, FrozenDict | FrozenList):
         return value
     if isinstance(value, dict):
@@ -140,6 +143,7 @@ def thaw(value: Any) -> Any:
     return value
 
 
+_ABSENT: Any = object()  # no value under a key (values may be anything, None too)
 K = TypeVar("K", int, str, tuple[str, int, str])  # what the store indexes by: ids, or (service, slot, id)
 V = TypeVar("V")
 
@@ -148,8 +152,9 @@ class SortedIndex(Generic[K, V]):
     """A dict whose values are also kept as a tuple in key order, rebuilt lazily after a change.
 
     `put` of a key already present keeps the key order and only rebuilds the tuple of values
-    (O(n) on the next read); adding or dropping a key also re-sorts the keys (nearly sorted
-    input: close to linear). Reads without a change in between cost O(1).
+    (O(n) on the next read), unless it is the very value already there (nothing changes);
+    adding or dropping a key also re-sorts the keys (nearly sorted input: close to linear).
+    Reads without a change in between cost O(1).
     """
 
     __slots__ = ("_items", "_keys", "_values")
@@ -160,7 +165,10 @@ class SortedIndex(Generic[K, V]):
         self._values: tuple[V, ...] | None = ()
 
     def put(self, key: K, value: V) -> None:
-        if key not in self._items:
+        old = self._items.get(key, _ABSENT)
+        if old is value:
+            return  # the very value it holds: nothing changes, the tuple of values stays
+        if old is _ABSENT:
             self._keys = None
         self._items[key] = value
         self._values = None
@@ -184,6 +192,5 @@ class SortedIndex(Generic[K, V]):
         if self._values is None:
             if self._keys is None:
                 self._keys = sorted(self._items)
-            items = self._items
-            self._values = tuple(items[k] for k in self._keys)
+            self._values = tuple(map(self._items.__getitem__, self._keys))
         return self._values
