@@ -211,6 +211,7 @@ class InferenceController:
         lending: LendingPolicy,
         nodes: tuple[Node, ...],
         lease: LeaseGuard | None = None,
+        memory_save_every_s: float = MEMORY_SAVE_EVERY_S,
     ) -> None:
         self.store = store
         self.manager = manager
@@ -230,6 +231,9 @@ class InferenceController:
         self.reclaimer = Reclaimer(store=store)
         self._saved_profiles_at = -math.inf
         self._saved_memory_at = -math.inf
+        #: How often the memory is saved while only its windows move (a decision's change is
+        #: saved at once); the simulator, which never restarts a control plane, passes infinity.
+        self.memory_save_every_s = memory_save_every_s
         self._saved_memory: tuple[Any, Any] | None = None  # (decisions part, whole) last saved
         # The replica values of the last read, by the identity of the record they came from: the
         # in-memory store hands back the same record until it changes.
@@ -609,7 +613,11 @@ class InferenceController:
             for name, state in memory.scale_states.items()
         }
         last = self._saved_memory
-        if last is not None and last[0] == decisions and now - self._saved_memory_at < MEMORY_SAVE_EVERY_S:
+        if (
+            last is not None
+            and last[0] == decisions
+            and now - self._saved_memory_at < self.memory_save_every_s
+        ):
             return  # the cheap test first: the simulator ticks millions of times
         document = encode_memory(memory, now)
         if last is not None and last[1] == document["services"]:

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from lowtide.control.clock import FakeClock
 from lowtide.control.executor_port import Executor
-from lowtide.control.inference import InferenceController, InferenceStore, ServiceSetup
+from lowtide.control.inference import MEMORY_SAVE_EVERY_S, InferenceController, InferenceStore, ServiceSetup
 from lowtide.control.inference_ports import Gateway, MetricsSource, ServiceManager
 from lowtide.control.loop import ControlLoop, LoopSettings, RecoveryReport, TickReport
 from lowtide.control.ports import ArtifactPort, StorePort
@@ -87,6 +87,7 @@ class LoopHarness:
         gateway: Gateway | None = None,
         with_inference: bool | None = None,
         tick_s: float = 1.0,
+        memory_save_every_s: float = MEMORY_SAVE_EVERY_S,
     ) -> None:
         """`with_inference`: None builds the inference side exactly when `wiring` would (services
         or non-continuous lending); True or False force it. `tick_s`: how far `tick` moves the
@@ -116,6 +117,8 @@ class LoopHarness:
         )
         self.gateway = gateway
         self.tick_s = tick_s
+        #: The inference side's memory save cadence (`InferenceController`); production's by default.
+        self.memory_save_every_s = memory_save_every_s
         #: Ids of the jobs `submit` stored, in order.
         self.jobs: list[str] = []
         self.loop, self._inference = self._build()
@@ -132,6 +135,7 @@ class LoopHarness:
                 services=self.services,
                 lending=self.lending,
                 nodes=self.nodes,
+                memory_save_every_s=self.memory_save_every_s,
             )
         loop = ControlLoop(
             store=self.store,
