@@ -300,6 +300,8 @@ def test_simulate_writes_summary_and_a_self_contained_report(tmp_path: Path) -> 
     ):
         assert key in summary, key
     assert summary["currency"] == "KRW" and summary["gpu_hours_harvested"] > 0
+    # 20 req/s at the peak is light for 63 replicas: scaled up, and said so.
+    assert summary["load_scale_by_service"]["llm"] > 1.0
     page = (tmp_path / "out" / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 4
     assert "http://" not in page and "https://" not in page  # nothing loaded from elsewhere
@@ -331,6 +333,12 @@ def test_simulate_compare_prints_one_table_and_writes_json(tmp_path: Path) -> No
     assert oracle["gpu_hours_harvested"] == oracle["oracle_harvest_gpu_hours"] > 0
     for name in doc["policies"]:
         assert name in result.output
+    scale = doc["runs"]["continuous"]["load_scale_by_service"]["llm"]
+    assert (
+        scale > 1.0
+        and f"load scaled up to fill the fleet (the trace is too light for it): llm ×{scale:,.1f}"
+        in (" ".join(result.output.split()))
+    )
 
 
 @pytest.mark.parametrize(

@@ -110,6 +110,10 @@ def print_table(runs: list[PolicyRun]) -> None:
         f"oracle idle {first['oracle_idle_gpu_hours']:,.0f} GPU-h; "
         f"`none` baseline SLO violations {base.get('slo_violation_minutes', 0.0):,.1f} min"
     )
+    scaled = {name: k for name, k in (first.get("load_scale_by_service") or {}).items() if k != 1.0}
+    if scaled:
+        listed = ", ".join(f"{safe(name)} ×{k:,.1f}" for name, k in scaled.items())
+        out.print(f"load scaled up to fill the fleet (the trace is too light for it): {listed}")
 
 
 def write_single(run: PolicyRun, out_dir: Path) -> None:

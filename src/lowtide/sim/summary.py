@@ -73,6 +73,8 @@ def summarize(
         "nodes": len(s.nodes),
         "gpus": s.pool_gpus,
         "services": [svc.name for svc in s.services],
+        # >1: the trace was too light for the fleet and its rates were scaled up (`sim.fleet.fit_load`).
+        "load_scale_by_service": {svc.name: svc.load_scale for svc in s.services},
         "jobs_submitted": len(trace.submitted),
         "jobs_succeeded": len(done),
         "jobs_unfinished": len(trace.submitted) - len(done),
