@@ -121,7 +121,7 @@ from lowtide.policy.replicas import (
     supply_and_draining,
 )
 from lowtide.policy.signals import FROZEN_REASON
-from lowtide.policy.snapshot import RunningStep
+from lowtide.policy.snapshot import RunningStep, pool_gpus
 
 R = ReplicaState
 
@@ -523,7 +523,7 @@ def decide_services(snapshot: InferenceSnapshot) -> ScalePlan:
                 forecast_at=peak[1] if peak else None,
             )
         )
-    pool = _pool_gpus(snapshot.nodes)
+    pool = pool_gpus(snapshot.nodes)
     env = envelope(now=now, pool_gpus=pool, services=inputs, policy=lending, currently_lent_gpus=lent)
     views = [
         _kept_service_view(
@@ -887,20 +887,6 @@ def _specs_of(services: tuple[ServiceRules, ...]) -> tuple[Mapping[str, ServiceS
     )
     _last_specs.entry = (services, result)
     return result
-
-
-#: The last nodes `_pool_gpus` counted and their GPUs (the loop passes the same tuple each tick).
-_last_pool: Last[tuple[tuple[Node, ...], int]] = Last()
-
-
-def _pool_gpus(nodes: tuple[Node, ...]) -> int:
-    """Every GPU of the pool: counted once per tuple of (frozen) nodes, not once per tick."""
-    last = _last_pool.entry
-    if last is not None and last[0] is nodes:
-        return last[1]
-    count = sum(n.gpu_count for n in nodes)
-    _last_pool.entry = (nodes, count)
-    return count
 
 
 @lru_cache(maxsize=64)

@@ -15,8 +15,19 @@ from lowtide.domain.gpus import GpuRef, Node
 from lowtide.policy.lending import GpuShare
 from lowtide.policy.memo import Last
 
-#: The last `Snapshot.total_gpus`, with the very nodes tuple it counted.
-_last_total: Last[tuple[tuple[Node, ...], int]] = Last()
+#: The last nodes tuple `pool_gpus` counted, and its GPUs.
+_last_pool: Last[tuple[tuple[Node, ...], int]] = Last()
+
+
+def pool_gpus(nodes: tuple[Node, ...]) -> int:
+    """Every GPU of the nodes: counted once per tuple of (frozen) nodes, which the loop hands
+    every snapshot and the inference side unchanged (`policy.memo.Last`), not once per tick."""
+    last = _last_pool.entry
+    if last is not None and last[0] is nodes:
+        return last[1]
+    count = sum(n.gpu_count for n in nodes)
+    _last_pool.entry = (nodes, count)
+    return count
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,15 +87,8 @@ class Snapshot:
 
     @property
     def total_gpus(self) -> int:
-        """Every GPU of the nodes: counted once per tuple of (frozen) nodes, which the loop hands
-        every snapshot unchanged (`policy.memo.Last`)."""
-        nodes = self.nodes
-        last = _last_total.entry
-        if last is not None and last[0] is nodes:
-            return last[1]
-        total = sum(n.gpu_count for n in nodes)
-        _last_total.entry = (nodes, total)
-        return total
+        """Every GPU of the nodes (`pool_gpus`)."""
+        return pool_gpus(self.nodes)
 
     def with_inference(
         self, unavailable: frozenset[GpuRef], gpu_shares: Mapping[GpuRef, GpuShare]
