@@ -28,6 +28,7 @@ from lowtide.adapters.argo.executor import ArgoExecutor
 from lowtide.adapters.argo.workflow import ArgoSettings
 from lowtide.control.clock import FakeClock
 from lowtide.control.inference import ServiceSetup
+from lowtide.deploy.manifests import Release
 from lowtide.domain.gpus import Node
 from lowtide.domain.layout import ArtifactLayout
 from lowtide.domain.services import LendingPolicy
@@ -48,6 +49,31 @@ SETTLE_S = 10.0
 #: Test executors back off 0.05-0.5 s between watch attempts (client-go: 0.8-30 s).
 WATCH_BACKOFF = (0.05, 0.5)
 NODES = (Node("n1", (0, 1)), Node("n2", (0, 1)), Node("n3", (0, 1)))
+#: The chart's release, and the control plane's ServiceAccount as the RBAC tests log in with it
+#: (`cluster.add_user(SA_TOKEN, SA)` after loading the chart's RBAC).
+RELEASE = Release("lowtide", "lowtide-system")
+SA = f"system:serviceaccount:{RELEASE.namespace}:{RELEASE.name}"
+SA_TOKEN = "chart-sa-token"
+
+
+def node_object(
+    name: str,
+    gpus: int,
+    *,
+    labels: dict[str, str] | None = None,
+    taints: list[dict[str, str]] | None = None,
+    allocatable: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """A Ready Node named `name` with `gpus` allocatable `nvidia.com/gpu` (plus the given labels,
+    taints and other allocatable resources), as the kubelet reports it."""
+    return {
+        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **(labels or {})}},
+        "spec": {"taints": taints} if taints else {},
+        "status": {
+            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady"}],
+            "allocatable": {"nvidia.com/gpu": str(gpus), **(allocatable or {})},
+        },
+    }
 
 
 @dataclass

@@ -26,43 +26,28 @@ import pytest
 from kubernetes import client
 
 from argo_sim import ArgoSim, Script
-from argo_world import settling
+from argo_world import LAYOUT, NS, RELEASE, ROOT, SA, SA_TOKEN, SETTINGS, T0, node_object, settling
 from k8sfake import FakeCluster
 from lowtide.adapters.argo.executor import ArgoExecutor
-from lowtide.adapters.argo.workflow import ArgoSettings
 from lowtide.adapters.k8s_nodes import LENT_LABEL, LENT_TAINT_KEY, NodeLending, lent_taint
 from lowtide.control.clock import FakeClock
 from lowtide.deploy.chart import load_chart, render
-from lowtide.deploy.manifests import Release
 from lowtide.domain.gpus import Node
-from lowtide.domain.layout import ArtifactLayout
 from lowtide.domain.states import AttemptState
 from lowtide.policy.outcomes import RetryPolicy
 from lowtide.sim.harness import LoopHarness
 from lowtide.store.memory import MemoryStore
 from lowtide.wiring import argo_workflows
 
-NS = "lowtide"
-ROOT = "s3://bucket/lowtide"
-SETTINGS = ArgoSettings(artifact_root=ROOT, namespace=NS, default_image="registry.example/step:1")
-LAYOUT = ArtifactLayout(ROOT, "/work")
-T0 = 1_800_000_000.0
-RELEASE = Release("lowtide", "lowtide-system")
-SA = f"system:serviceaccount:{RELEASE.namespace}:{RELEASE.name}"
-SA_TOKEN = "chart-sa-token"
 #: Someone else's taint on every node (kept as it is by lowtide's writes).
 FOREIGN_TAINT = {"key": "example.com/maintenance-window", "value": "sunday", "effect": "PreferNoSchedule"}
 
 
-def node_object(name: str, gpus: int) -> dict[str, Any]:
-    return {
-        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, "team": "infra"}},
-        "spec": {"taints": [dict(FOREIGN_TAINT)]},
-        "status": {
-            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady"}],
-            "allocatable": {"nvidia.com/gpu": str(gpus), "cpu": "64"},
-        },
-    }
+def infra_node(name: str, gpus: int) -> dict[str, Any]:
+    """A GPU node with someone else's label and taint, which lowtide's writes must keep."""
+    return node_object(
+        name, gpus, labels={"team": "infra"}, taints=[dict(FOREIGN_TAINT)], allocatable={"cpu": "64"}
+    )
 
 
 def serving_pod(name: str, gpus: int) -> dict[str, Any]:
@@ -144,8 +129,8 @@ def _world(nodes: tuple[Node, ...] = NODES, *, drop_cluster_pods_list: bool = Fa
         cluster.load_rbac(chart_rbac(drop_cluster_pods_list))
         cluster.add_user(SA_TOKEN, SA)
         for n in nodes:
-            cluster.create("nodes", "", node_object(n.name, len(n.gpus)))
-        cluster.create("nodes", "", node_object("outsider", 8))
+            cluster.create("nodes", "", infra_node(n.name, len(n.gpus)))
+        cluster.create("nodes", "", infra_node("outsider", 8))
         store = MemoryStore()
         world = World(None, ArgoSim(cluster, clock.now, NS), cluster, store, clock)  # type: ignore[arg-type]
         world.h = LoopHarness(

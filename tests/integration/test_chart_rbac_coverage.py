@@ -53,7 +53,7 @@ from fastapi.testclient import TestClient
 from kubernetes import client
 
 from argo_sim import ArgoSim, Script
-from argo_world import LAYOUT, NS, ROOT, SETTINGS, T0, drive, settling
+from argo_world import LAYOUT, NS, RELEASE, ROOT, SA, SA_TOKEN, SETTINGS, T0, drive, node_object, settling
 from k8s_deploy_sim import DeploymentSim, SimClock, deployment, replica_launch
 from k8sfake import FakeCluster
 from k8sfake.server import RequestRecord
@@ -66,7 +66,6 @@ from lowtide.api.app import ApiContext, create_app
 from lowtide.control.clock import FakeClock
 from lowtide.control.inference_ports import ReplicaEvent, ReplicaLaunch
 from lowtide.deploy.chart import GrantedRule, load_chart, rbac_rules, render
-from lowtide.deploy.manifests import Release
 from lowtide.domain.gpus import Node
 from lowtide.domain.states import AttemptState
 from lowtide.policy.outcomes import RetryPolicy
@@ -74,9 +73,6 @@ from lowtide.sim.harness import LoopHarness
 from lowtide.store.memory import MemoryStore
 from lowtide.wiring import argo_workflows
 
-RELEASE = Release("lowtide", "lowtide-system")
-SA = f"system:serviceaccount:{RELEASE.namespace}:{RELEASE.name}"
-SA_TOKEN = "chart-sa-token"
 SERVING = "serving"
 WAIT_S = 10.0  # a bound, not a duration
 NODES = (Node("n1", (0, 1, 2, 3)),)
@@ -158,17 +154,6 @@ def show(grant: Grant) -> str:
 
 
 # -- the Argo executor ----------------------------------------------------------------------------
-
-
-def node_object(name: str, gpus: int) -> dict[str, Any]:
-    return {
-        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
-        "spec": {},
-        "status": {
-            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady"}],
-            "allocatable": {"nvidia.com/gpu": str(gpus)},
-        },
-    }
 
 
 def gpu_pod(name: str, gpus: int) -> dict[str, Any]:

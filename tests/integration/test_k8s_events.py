@@ -23,22 +23,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from argo_sim import ArgoSim, Script
-from argo_world import drive
+from argo_world import LAYOUT, NS, RELEASE, ROOT, SA, SA_TOKEN, SETTINGS, T0, drive, node_object
 from k8s_deploy_sim import DeploymentSim, SimClock, deployment, replica_launch
 from k8sfake import ADMIN_TOKEN, FakeCluster
 from lowtide.adapters.argo.executor import ArgoExecutor
-from lowtide.adapters.argo.workflow import ArgoSettings
 from lowtide.adapters.k8s_events import CONTROLLER, EventRecorder, Regarding
 from lowtide.adapters.k8s_services import DeploymentTarget, KubernetesServiceManager
 from lowtide.control.clock import FakeClock
 from lowtide.control.inference_ports import ReplicaEvent, ReplicaLaunch
 from lowtide.deploy.chart import load_chart, render
-from lowtide.deploy.manifests import Release
 from lowtide.domain.gpus import Node
-from lowtide.domain.layout import ArtifactLayout
 from lowtide.domain.states import AttemptState
 from lowtide.policy.outcomes import RetryPolicy
 from lowtide.sim.harness import LoopHarness
@@ -46,16 +42,8 @@ from lowtide.store.memory import MemoryStore
 from lowtide.wiring import argo_workflows, build, k8s_event_recorder
 from support import settings_for
 
-NS = "lowtide"
 SERVING = "serving"
 DEP = "chat-vllm"
-ROOT = "s3://bucket/lowtide"
-SETTINGS = ArgoSettings(artifact_root=ROOT, namespace=NS, default_image="registry.example/step:1")
-LAYOUT = ArtifactLayout(ROOT, "/work")
-T0 = 1_800_000_000.0
-RELEASE = Release("lowtide", "lowtide-system")
-SA = f"system:serviceaccount:{RELEASE.namespace}:{RELEASE.name}"
-SA_TOKEN = "chart-sa-token"
 EVENTS = "events.events.k8s.io"
 WAIT_S = 10.0  # a bound, not a duration
 
@@ -279,17 +267,6 @@ def test_close_writes_the_pending_series_and_stops_the_thread(cluster: FakeClust
 
 
 # -- the Argo executor ---------------------------------------------------------------------------
-
-
-def node_object(name: str, gpus: int) -> dict[str, Any]:
-    return {
-        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
-        "spec": {},
-        "status": {
-            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady"}],
-            "allocatable": {"nvidia.com/gpu": str(gpus)},
-        },
-    }
 
 
 class ArgoWorld:
@@ -578,20 +555,7 @@ def test_wiring_builds_one_recorder_in_cluster_mode_and_closes_it(
     clock = SimClock(T0)
     with FakeCluster(clock=clock) as cluster:
         cluster.create("deployments", SERVING, deployment(DEP))
-        kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(
-            yaml.safe_dump(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "clusters": [{"name": "fake", "cluster": {"server": cluster.host}}],
-                    "users": [{"name": "me", "user": {"token": ADMIN_TOKEN}}],
-                    "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "me"}}],
-                    "current-context": "fake",
-                }
-            )
-        )
-        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+        monkeypatch.setenv("KUBECONFIG", str(cluster.write_kubeconfig(tmp_path, ADMIN_TOKEN)))
         monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
         (tmp_path / "local").mkdir()
         (tmp_path / "cluster").mkdir()

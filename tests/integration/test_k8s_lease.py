@@ -433,26 +433,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def write_kubeconfig(cluster: FakeCluster, tmp_path: Path, token: str) -> Path:
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "fake", "cluster": {"server": cluster.host}}],
-                "users": [{"name": "me", "user": {"token": token}}],
-                "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "me", "namespace": NS}}],
-                "current-context": "fake",
-            }
-        )
-    )
-    return kubeconfig
-
-
 def start_up(cluster: FakeCluster, tmp_path: Path) -> tuple[subprocess.Popen[bytes], int]:
     """`lowtide up` with `control.lease_backend: kubernetes`, KUBECONFIG naming the fake cluster."""
-    kubeconfig = write_kubeconfig(cluster, tmp_path, ADMIN_TOKEN)
+    kubeconfig = cluster.write_kubeconfig(tmp_path, ADMIN_TOKEN, namespace=NS)
     port = free_port()
     config = tmp_path / "lowtide.yaml"
     config.write_text(
@@ -522,7 +505,7 @@ def test_lowtide_up_refuses_to_start_when_rbac_denies_the_lease(
     from lowtide.wiring import ServeError, serve  # noqa: PLC0415
 
     cluster.add_user("no-rights", "system:serviceaccount:lowtide-system:someone-else")
-    monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(cluster, tmp_path, "no-rights")))
+    monkeypatch.setenv("KUBECONFIG", str(cluster.write_kubeconfig(tmp_path, "no-rights", namespace=NS)))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     settings = settings_for(
         tmp_path,

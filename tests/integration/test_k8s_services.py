@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from kubernetes import client
 from pydantic import ValidationError
 
@@ -621,20 +620,7 @@ def test_kube_api_client_reads_kubeconfig_and_says_clearly_when_there_is_none(
     cluster: FakeCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "fake", "cluster": {"server": cluster.host}}],
-                "users": [{"name": "admin", "user": {"token": ADMIN_TOKEN}}],
-                "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "admin"}}],
-                "current-context": "fake",
-            }
-        )
-    )
-    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    monkeypatch.setenv("KUBECONFIG", str(cluster.write_kubeconfig(tmp_path, ADMIN_TOKEN)))
     api = kube_api_client()
     try:
         assert client.AppsV1Api(api).read_namespaced_deployment_scale(DEP, NS).spec.replicas == 0

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -780,6 +781,26 @@ class FakeCluster:
 
     def api_client(self, token: str = ADMIN_TOKEN) -> Any:
         return client.ApiClient(self.configuration(token))
+
+    def write_kubeconfig(
+        self, directory: Path, token: str = ADMIN_TOKEN, namespace: str | None = None
+    ) -> Path:
+        """A kubeconfig file (`directory/kubeconfig`) whose one context talks to this server with
+        `token` (and `namespace` as its default): what `KUBECONFIG` or `lowtide up` is given."""
+        context: dict[str, str] = {"cluster": "fake", "user": "me"}
+        if namespace is not None:
+            context["namespace"] = namespace
+        path = directory / "kubeconfig"
+        document = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "fake", "cluster": {"server": self.host}}],
+            "users": [{"name": "me", "user": {"token": token}}],
+            "contexts": [{"name": "fake", "context": context}],
+            "current-context": "fake",
+        }
+        path.write_text(json.dumps(document))  # JSON is YAML
+        return path
 
     def add_user(self, token: str, user: str, groups: Iterable[str] = ()) -> None:
         self.auth.add_token(token, user, groups)
