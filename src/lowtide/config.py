@@ -363,6 +363,11 @@ class AutoscaleConfig(_Strict):
     ttft_p90_slo: float | None = None
     scale_up_window: float = 30.0
     scale_down_stabilization: float = 300.0
+    #: The burst guard (policy/autoscale.py): a scale-down undone within two stabilisation windows
+    #: doubles the window up to this (= scale_down_stabilization: off); it halves again after each
+    #: burst_memory without one.
+    max_scale_down_stabilization: float = 3600.0
+    burst_memory: float = 86400.0
     tolerance: float = Field(default=0.1, ge=0, lt=1)
     #: The band above / below the current count that does not move it (None: `tolerance`); the
     #: down one also bounds the flap guard (policy/autoscale.py).
@@ -382,6 +387,8 @@ class AutoscaleConfig(_Strict):
         "ttft_p90_slo",
         "scale_up_window",
         "scale_down_stabilization",
+        "max_scale_down_stabilization",
+        "burst_memory",
         "panic_window",
         "fallback_after",
         mode="before",
@@ -1079,6 +1086,8 @@ def service_spec(cfg: ServiceConfig) -> ServiceSpec:
             ttft_p90_slo_s=a.ttft_p90_slo,
             scale_up_window_s=a.scale_up_window,
             scale_down_stabilization_s=a.scale_down_stabilization,
+            max_scale_down_stabilization_s=max(a.max_scale_down_stabilization, a.scale_down_stabilization),
+            burst_memory_s=a.burst_memory,
             tolerance=a.tolerance,
             scale_up_tolerance=a.scale_up_tolerance,
             scale_down_tolerance=a.scale_down_tolerance,

@@ -775,6 +775,9 @@ class ChaosRun:
                         "kv_usage": None,
                         "scale_up_window": "1s",
                         "scale_down_stabilization": "4s",
+                        # Surges every 12 s must keep making the service take GPUs back: no burst
+                        # guard (it would keep the replicas up after two surges).
+                        "max_scale_down_stabilization": "4s",
                         "tolerance": 0,
                     },
                 }

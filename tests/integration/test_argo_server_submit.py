@@ -142,8 +142,11 @@ def test_a_create_whose_answer_was_lost_is_answered_409_and_reused(
         if len(w.server_calls("create")) >= 2:
             break
         time.sleep(0.01)
-    # The retry: AlreadyExists, read back, its lowtide.io/job label checked, reused.
-    assert sorted(w.server_calls("create")) == sorted([answered, 409])
+    # The retry: AlreadyExists, read back, its lowtide.io/job label checked, reused. (On a loaded
+    # machine a retry's own read-back can pass the 0.3 s timeout too: another retry, another 409.)
+    calls = sorted(w.server_calls("create"))
+    assert answered in calls and calls.count(409) >= 1
+    assert len(calls) - calls.count(409) == 1  # the lost answer; every retry met AlreadyExists
     assert len(w.cluster.list("workflows", NS)) == 1
     for task in ("prep", "train"):
         assert len(w.sim.retry_children(job, task)) == 1  # nothing ran twice

@@ -148,6 +148,7 @@ def config_doc(park: str, api_port: int = 0, gateway_port: int = 0, base_port: i
                     "kv_usage": None,
                     "scale_up_window": 2.0,
                     "scale_down_stabilization": 5.0,
+                    "max_scale_down_stabilization": 5.0,  # as benchmarks/reclaim.py: no burst guard
                     "tolerance": 0,
                 },
             }

@@ -27,7 +27,13 @@ from lowtide.sim.capacity import ReplicaCapacity, derive_replica_capacity, stead
 from lowtide.sim.fleet import FleetOptions, default_scenario, start_epoch
 from lowtide.sim.jobs import ResearchJob
 from lowtide.sim.load import LoadCurve
-from lowtide.sim.oracle import needed_replicas, oracle_harvest_gpu_seconds, oracle_idle_gpu_seconds
+from lowtide.sim.oracle import (
+    idle_in_spells,
+    idle_in_spells_gpu_hours,
+    needed_replicas,
+    oracle_harvest_gpu_seconds,
+    oracle_idle_gpu_seconds,
+)
 from lowtide.sim.ports import ReplicaTimes
 from lowtide.sim.run import compare, simulate
 from lowtide.sim.scenario import Scenario, SimService, StepDefaults
@@ -498,3 +504,41 @@ def test_the_same_inputs_and_seed_give_the_same_summary() -> None:
         first.pop(volatile)
         second.pop(volatile)
     assert first == second
+
+
+def test_the_oracle_idle_in_spells_counts_only_spells_long_enough() -> None:
+    """8 GPUs, one 4-GPU replica needed at 2 req/s, both at 15: idle 4 GPUs from 0 to 30 min and
+    from 35 to 180 min, none otherwise (4 h). Spells of ≥ 10 or 30 minutes use all 700 idle
+    GPU-minutes; of ≥ 1 h only the 145-minute spell (580)."""
+    curve = LoadCurve((0.0, 1800.0, 2100.0, 10800.0), (2.0, 15.0, 2.0, 15.0))
+    svc = (service(curve, max_replicas=2),)
+    assert [needed_replicas(svc[0], r) for r in (2.0, 15.0)] == [1, 2]
+    assert oracle_idle_gpu_seconds(svc, 8, 4 * H) == pytest.approx(4 * 175 * 60)
+    assert idle_in_spells(svc, 8, 4 * H, 600.0) == pytest.approx(4 * 175 * 60)
+    assert idle_in_spells(svc, 8, 4 * H, 1800.0) == pytest.approx(4 * 175 * 60)
+    assert idle_in_spells(svc, 8, 4 * H, 3600.0) == pytest.approx(4 * 145 * 60)
+    assert idle_in_spells(svc, 8, 4 * H, 5 * H) == 0.0  # no loan can last longer than the run
+    assert idle_in_spells_gpu_hours(svc, 8, 4 * H) == pytest.approx(
+        {"10m": 700 / 60, "30m": 700 / 60, "1h": 580 / 60}
+    )
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from([0.0, 2.0, 15.0, 30.0]), min_size=2, max_size=30), st.integers(1, 12))
+def test_the_idle_in_spells_is_the_opening_of_the_idle_curve(rates: list[float], width: int) -> None:
+    """Against a brute force on the minute grid: a minute's GPUs count when some window of
+    `width` minutes around it keeps at least as many idle throughout; never above the idle."""
+    curve = LoadCurve(tuple(60.0 * i for i in range(len(rates))), tuple(rates))
+    svc = (service(curve, max_replicas=2, gpus=4),)
+    minutes = len(rates)
+    idle = [max(0, 8 - 4 * needed_replicas(svc[0], r)) for r in rates]
+    expected = 0.0
+    for c in range(minutes):
+        best = 0
+        for start in range(max(0, c - width + 1), c + 1):
+            if start + width <= minutes:
+                best = max(best, min(idle[start : start + width]))
+        expected += best * 60.0
+    got = idle_in_spells(svc, 8, 60.0 * minutes, 60.0 * width)
+    assert got == pytest.approx(expected)
+    assert got <= oracle_idle_gpu_seconds(svc, 8, 60.0 * minutes) + 1e-6

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lowtide.config import ConfigError, load_settings, service_spec
 from lowtide.domain.metrics import ReplicaSignals, ServiceSignals
 from lowtide.domain.services import AutoscaleTargets, ServiceSpec
 from lowtide.policy.autoscale import (
@@ -710,6 +712,140 @@ def test_a_scale_down_at_no_load_undone_by_a_new_surge_does_not_pin_the_replicas
     d = run(s, [(7.0, idle1, supply(1)), (8.0, busy1, supply(1)), (10.5, busy1, supply(1))], d[-1].state)
     assert desired(d)[-1] == 2  # surge 2: undone within 2 × 5 s
     assert d[-1].state.flap_guard is None
-    quiet = [(11.0 + k, idle2, supply(2)) for k in range(8)]
+    assert d[-1].state.window_s == 10.0  # the burst guard: the window doubled
+    quiet = [(11.0 + k, idle2, supply(2)) for k in range(13)]
     d = run(s, quiet, d[-1].state)
-    assert desired(d)[-1] == 1, d[-1].reason  # surge 2 over: down again after the window
+    assert desired(d)[-1] == 1, d[-1].reason  # surge 2 over: down again after the (longer) window
+    assert desired(d)[:9] == [2] * 9  # not before 10.5 + 10 s
+
+
+# -- the burst guard ------------------------------------------------------------------------------
+
+
+def _bursts(s: ServiceSpec, start: float, count: int, every: float, state: ScaleState) -> list[ScaleDecision]:
+    """`count` bursts `every` seconds apart from `start`: 10 s at 3 replicas' worth, quiet between,
+    a tick a second, the supply following the decisions."""
+    out: list[ScaleDecision] = []
+    for k in range(int(count * every)):
+        now = start + k
+        busy = (k % every) < 10
+        have = out[-1].desired if out else (state.desired or 1)
+        d = decide_scale(s, conc(*([32.0] * 3 if busy else [0.0])), supply(have), state, now)
+        state = d.state
+        out.append(d)
+    return out
+
+
+def test_the_burst_guard_lengthens_the_window_until_the_bursts_no_longer_undo_a_scale_down() -> None:
+    """Bursts every 80 s with a 30 s window: a quiet spell parks the replicas and the next burst
+    undoes it within two windows; the window doubles (30 → 60 → 120 s) until it spans the bursts'
+    spacing, then the replicas stay up through the quiet spells."""
+    s = spec(max_replicas=4, down_window=30.0, up_window=2.0, max_scale_down_stabilization_s=600.0)
+    d = _bursts(s, 0.0, 8, 80.0, initial_state(s))
+    windows = sorted({x.state.window_s for x in d if x.state.window_s is not None})
+    assert windows == [60.0, 120.0], windows
+    undone = [x.reason for x in d if "burst guard" in x.reason]
+    assert len(undone) == 2 and "stabilisation 30s → 60s" in undone[0], undone
+    last = d[-300:]  # the last three bursts: no scale-down between them any more
+    assert min(x.desired for x in last) == 3, [x.desired for x in last]
+
+
+def test_the_burst_guard_is_capped_and_forgets_after_burst_memory() -> None:
+    s = spec(
+        max_replicas=4,
+        down_window=30.0,
+        up_window=2.0,
+        max_scale_down_stabilization_s=60.0,
+        burst_memory_s=1000.0,
+    )
+    d = _bursts(s, 0.0, 8, 80.0, initial_state(s))
+    assert {x.state.window_s for x in d} == {None, 60.0}  # 30 → 60, never 120
+    set_at = max(x.state.window_at or 0.0 for x in d)
+    # A quiet hour: the window halves back to 30 s burst_memory after it was last set, and the
+    # decision says so; the replicas go down on the 60 s window before that.
+    state = d[-1].state
+    quiet = []
+    for k in range(1200):
+        x = decide_scale(s, conc(0.0), supply(state.desired or 1), state, 800.0 + k)
+        state = x.state
+        quiet.append(x)
+    assert quiet[-1].state.window_s is None and quiet[-1].state.window_at is None
+    halved = [x for x in quiet if "no undone scale-down for 1000s" in x.reason]
+    assert len(halved) == 1 and halved[0].state.history[-1][0] == set_at + 1000.0
+
+
+def test_a_smooth_ramp_down_and_up_is_not_a_burst() -> None:
+    """Load that comes back only after two windows (a day/night swing) leaves the window alone."""
+    s = spec(max_replicas=4, down_window=30.0, up_window=2.0)
+    state = initial_state(s)
+    decisions = []
+    for k in range(400):
+        worth = 3 if k < 100 or k >= 300 else 1
+        d = decide_scale(s, conc(*([32.0] * worth)), supply(state.desired or 3), state, float(k))
+        state = d.state
+        decisions.append(d)
+    assert [x.desired for x in decisions][130:140] == [1] * 10  # down after the 30 s window
+    assert max(x.desired for x in decisions[300:]) == 3  # and back up
+    assert all(x.state.window_s is None for x in decisions)
+
+
+def test_a_small_swing_undone_within_two_windows_is_not_a_burst() -> None:
+    """8 → 6 → 8 replicas within a minute: undone, but a climb of one step, not a burst."""
+    s = spec(max_replicas=10, down_window=30.0, up_window=2.0)
+    state = initial_state(s)
+    decisions = []
+    for k in range(300):
+        worth = 6 if 20 <= k % 100 < 70 else 8
+        d = decide_scale(s, conc(*([32.0] * worth)), supply(state.desired or 8), state, float(k))
+        state = d.state
+        decisions.append(d)
+    assert 6 in [x.desired for x in decisions]  # it did go down ...
+    assert all(x.state.window_s is None for x in decisions)  # ... and the window stayed
+
+
+def test_next_decision_at_uses_the_lengthened_window_and_its_halving() -> None:
+    s = spec(max_replicas=4, down_window=30.0, up_window=2.0, burst_memory_s=1000.0)
+    d = _bursts(s, 0.0, 2, 80.0, initial_state(s))[:120]  # up to 119 s: quiet since 89 s
+    last = d[-1]
+    assert last.state.window_s == 60.0 and last.desired == 3
+    assert "within the last 60s" in last.reason
+    assert next_decision_at(last, s) == 89.0 + 60.0  # the last burst reading leaves the window
+    assert next_decision_at(d[20], s) == 9.0 + 30.0  # before the burst guard: the 30 s window
+    later = decide_scale(s, conc(32.0, 32.0, 32.0), supply(3), last.state, 1100.0)
+    assert later.state.window_s is None  # halved back to 30 s at 81 + 1000 s
+    # When the window halves before the highest reading leaves it, the halving is the next time.
+    quick = spec(max_replicas=4, down_window=30.0, up_window=2.0, burst_memory_s=50.0)
+    d = _bursts(quick, 0.0, 2, 80.0, initial_state(quick))[:120]
+    assert d[-1].state.window_at == 81.0 and d[-1].desired == 3  # set by the scale-up at 81 s
+    assert next_decision_at(d[-1], quick) == 81.0 + 50.0
+
+
+def test_history_keeps_only_the_window_maxima() -> None:
+    """An hour-long window keeps the readings that can still be a window's highest, not one per tick."""
+    s = spec(max_replicas=10, down_window=3600.0, up_window=2.0)
+    state = initial_state(s)
+    for k in range(3600):
+        worth = 8 - (k // 600)  # 8, 7, ... falling every 10 minutes
+        d = decide_scale(s, conc(*([32.0] * worth)), supply(8), state, float(k))
+        state = d.state
+    assert len(state.history) <= 8, state.history
+    assert d.desired == 8  # the highest of the hour still holds
+
+
+def test_the_burst_guard_settings_come_from_lowtide_yaml_and_bad_ones_name_the_field(tmp_path: Path) -> None:
+    def spec_of(autoscale: str) -> ServiceSpec:
+        path = tmp_path / "lowtide.yaml"
+        path.write_text(f"services: [{{name: c, model: m, autoscale: {autoscale}}}]", encoding="utf-8")
+        return service_spec(load_settings(path).services[0])
+
+    default = spec_of("{}").autoscale
+    assert (default.max_scale_down_stabilization_s, default.burst_memory_s) == (3600.0, 86400.0)
+    set_ = spec_of("{scale_down_stabilization: 2m, max_scale_down_stabilization: 30m, burst_memory: 6h}")
+    assert (set_.autoscale.max_scale_down_stabilization_s, set_.autoscale.burst_memory_s) == (1800.0, 21600.0)
+    # A longest window below the window itself means no burst guard: it is never lengthened.
+    off = spec_of("{scale_down_stabilization: 2h}").autoscale
+    assert off.max_scale_down_stabilization_s == off.scale_down_stabilization_s == 7200.0
+    for bad in ("{max_scale_down_stabilization: -5}", "{burst_memory: soon}"):
+        with pytest.raises(ConfigError) as caught:
+            spec_of(bad)
+        assert ("max_scale_down_stabilization" if "max" in bad else "burst_memory") in str(caught.value)

@@ -7,7 +7,9 @@ within two stabilisation windows. Before 682ebbe that armed the flap guard at th
 scale-down; at 0 replicas' worth the guard could never be released and the second surge's extra
 replica never parked again (the benchmark "never settled"). These stories run many surges, with
 and without a straggling request at the scale-down, and check that every surge gets its second
-replica and every calm parks it again.
+replica and every calm parks it again. The benchmark turns the burst guard off (surges 18 s apart
+would lengthen the window until the calm no longer parks: `test_autoscale.py`'s burst-guard
+stories); the last story here shows that with it on.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def bench_spec() -> ServiceSpec:
             kv_usage=None,
             scale_up_window_s=2.0,
             scale_down_stabilization_s=5.0,
+            max_scale_down_stabilization_s=5.0,  # the benchmark turns the burst guard off
             tolerance=0.0,
         ),
     )
@@ -104,3 +107,39 @@ def test_a_surge_after_a_scale_down_with_a_straggler_arms_the_guard_and_the_calm
     assert armed and armed[-1] == (2, 0.25)
     last_calm = [d for at, phase, d in ticks if phase == "calm" and at >= 2 * SURGE_S + CALM_S]
     assert last_calm[-1].desired == 1 and last_calm[-1].state.flap_guard is None
+
+
+def test_with_the_burst_guard_on_back_to_back_surges_keep_the_second_replica() -> None:
+    """The same surges with the default burst guard: the first two calms park the replica and the
+    surges undo it, so the window doubles (5 → 10 → 20 s); from then on a 12 s calm is too short
+    to park, and the service stops preempting research every 18 s."""
+    on = bench_spec()
+    on = ServiceSpec(
+        name=on.name,
+        model=on.model,
+        gpus_per_replica=on.gpus_per_replica,
+        min_replicas=on.min_replicas,
+        max_replicas=on.max_replicas,
+        autoscale=AutoscaleTargets(
+            concurrency_per_replica=4.0,
+            kv_usage=None,
+            scale_up_window_s=2.0,
+            scale_down_stabilization_s=5.0,
+            tolerance=0.0,
+        ),
+    )
+    state = initial_state(on)
+    serving, now = 1, 0.0
+    calm_ends: list[int] = []
+    for _ in range(6):
+        for phase, length in (("surge", SURGE_S), ("calm", CALM_S)):
+            began = now
+            while now < began + length - 1e-9:
+                requests = SURGE_REQUESTS if phase == "surge" else 0.0
+                d = decide_scale(on, signals(requests, serving), ReplicaSupply(serving=serving), state, now)
+                state, serving = d.state, d.desired
+                now += TICK
+            if phase == "calm":
+                calm_ends.append(serving)
+    assert calm_ends == [1, 1, 2, 2, 2, 2], calm_ends
+    assert state.window_s == 20.0

@@ -92,6 +92,33 @@ def test_peak_within_finds_the_morning_ramp_and_its_start(week: WeeklyProfile) -
     assert week.peak_within(friday, 24 * 3600) == (2.0, friday)
 
 
+def test_ramp_within_reserves_only_for_hours_that_climb(week: WeeklyProfile) -> None:
+    """Mode `forecast` holds an hour's mean only for an hour that needs more than the one before:
+    08:00 on a weekday (2 → 8), from `lead` before it to its end; a plateau (09:00–18:00) or a
+    fall (18:00) reserves nothing beyond what the load needs now."""
+    monday = 12
+    eight = berlin(2026, 1, monday, 8, 0)
+    assert week.ramp_within(berlin(2026, 1, monday, 7, 50), 600) == (8.0, eight)
+    assert week.ramp_within(berlin(2026, 1, monday, 7, 40), 600) is None  # 07:00 is flat (2 after 2)
+    assert week.ramp_within(berlin(2026, 1, monday, 8, 40), 600) == (8.0, berlin(2026, 1, monday, 8, 40))
+    assert week.ramp_within(berlin(2026, 1, monday, 9, 10), 3600) is None  # on the plateau
+    assert week.ramp_within(berlin(2026, 1, monday, 17, 55), 600) is None  # 18:00 falls
+    assert week.ramp_within(berlin(2026, 1, 11, 21, 0), 12 * 3600) == (8.0, eight)
+    # An hour whose previous hour is not known yet counts as a ramp (lend less when in doubt).
+    young = learn(MONDAY + 8 * 3600, MONDAY + 10 * 3600, office_hours)
+    assert young.ramp_within(MONDAY + 8 * 3600 + 60, 600) == (8.0, MONDAY + 8 * 3600 + 60)
+    assert young.ramp_within(MONDAY + 9 * 3600 + 60, 600) is None  # 09:00 after a known 8
+
+
+def test_a_repeated_bursty_hour_has_no_ramp() -> None:
+    """A load that is about the same every hour (the Azure 2023 traces, one hour repeated; here a
+    burst every 7 minutes, so the hours' means differ by a few per cent) has no hour that climbs
+    by the ramp's 10 %: `forecast` lends as `continuous` does."""
+    bursty = learn(MONDAY, NEXT_MONDAY, lambda t: 60.0 if int(t // 60) % 7 == 0 else 2.0, every=60.0)
+    assert bursty.peak_within(MONDAY + 86400 + 30, 120) is not None  # the mean is there ...
+    assert bursty.ramp_within(MONDAY + 86400 + 30, 120) is None  # ... but nothing climbs
+
+
 def test_the_horizon_is_open_at_now_and_closed_at_the_end(week: WeeklyProfile) -> None:
     eight = berlin(2026, 1, 12, 8, 0)
     assert week.peak_within(eight - 600, 600) == (8.0, eight)  # (07:50, 08:00] holds 08:00

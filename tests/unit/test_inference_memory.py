@@ -38,6 +38,9 @@ def memory() -> InferenceMemory:
         steps=((NOW - 50, 3), (NOW - 40, 2)),
         panic_at=NOW - 5,
         unknown_since=None,
+        window_s=1200.0,
+        window_at=NOW - 600,
+        burst_from=(3, NOW - 40),
     )
     return InferenceMemory(
         scale_states={"chat": state},
@@ -55,6 +58,15 @@ def test_the_memory_round_trips_through_json() -> None:
     assert back.needed_history == memory().needed_history
     assert back.surge_at == memory().surge_at and back.alerts == memory().alerts
     assert back.fresh_at == {}  # a restarted control plane trusts no data it has not seen
+
+
+def test_a_document_from_before_the_burst_guard_reads_as_no_lengthened_window() -> None:
+    saved = json.loads(json.dumps(encode_memory(memory(), NOW)))
+    for key in ("window_s", "window_at", "burst_from"):
+        del saved["services"]["chat"]["scale"][key]
+    back = decode_memory(saved, START, ["chat"], NOW + 60).scale_states["chat"]
+    assert (back.window_s, back.window_at, back.burst_from) == (None, None, None)
+    assert back.history == memory().scale_states["chat"].history
 
 
 def test_times_after_now_are_clamped_and_services_no_longer_configured_are_dropped() -> None:

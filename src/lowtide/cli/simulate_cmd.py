@@ -92,6 +92,15 @@ def _fmt(value: Any, pattern: str) -> str:
     return pattern.format(value)
 
 
+def _spells(summary: dict[str, Any]) -> str:
+    """' (in spells ≥ 10m: …, ≥ 1h: …)' from `oracle_idle_gpu_hours_in_spells`, or ''."""
+    spells = summary.get("oracle_idle_gpu_hours_in_spells") or {}
+    if not spells:
+        return ""
+    parts = ", ".join(f"≥ {label} {hours:,.0f}" for label, hours in spells.items())
+    return f" (in spells {parts})"
+
+
 def print_table(runs: list[PolicyRun]) -> None:
     table = Table(title="lowtide simulate", title_justify="left")
     table.add_column("policy")
@@ -107,7 +116,7 @@ def print_table(runs: list[PolicyRun]) -> None:
     }
     out.print(
         f"{first['gpus']} GPUs × {first['days']:g} days = {first['gpu_hours_total']:,.0f} GPU-h; "
-        f"oracle idle {first['oracle_idle_gpu_hours']:,.0f} GPU-h; "
+        f"oracle idle {first['oracle_idle_gpu_hours']:,.0f} GPU-h{_spells(first)}; "
         f"`none` baseline SLO violations {base.get('slo_violation_minutes', 0.0):,.1f} min"
     )
     scaled = {name: k for name, k in (first.get("load_scale_by_service") or {}).items() if k != 1.0}

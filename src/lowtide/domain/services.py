@@ -27,6 +27,11 @@ class AutoscaleTargets:
     #: the stable window: go up to what the load asked for during the whole window (its lowest)
     scale_up_window_s: float = 30.0
     scale_down_stabilization_s: float = 300.0  # go down to the highest ask of this window
+    #: the burst guard: a scale-down undone within two windows doubles the service's window, up
+    #: to this (= scale_down_stabilization_s: off) ...
+    max_scale_down_stabilization_s: float = 3600.0
+    #: ... and a lengthened window halves again after each burst_memory_s without one
+    burst_memory_s: float = 86400.0
     tolerance: float = 0.1  # ignore changes within ±10 % of the current replica count
     #: the up / down band (None: `tolerance`); the down one also bounds the flap guard
     scale_up_tolerance: float | None = None

@@ -43,7 +43,9 @@ defaults in brackets). Only *fresh* replicas count: a stale replica's numbers ar
     panicking    : panic ≥ panic_threshold [2.0] × max(serving, 1) at this tick marks it; panic
                    mode lasts until a whole stable window has passed without such a tick (Knative)
     up           = max(stable, panic) while panicking, else stable
-    down         = max rec over [now − scale_down_stabilization_s [300 s], now] (HPA-style)
+    down         = max rec over [now − window, now] (HPA-style; window = the service's scale-down
+                   stabilisation window: scale_down_stabilization_s [300 s], or longer after a
+                   burst, see the burst guard)
     step cap     : floor = lowest needed in force over the stable window (what this window's
                    step started from); a scale-up reaches at most max(⌈floor × max_scale_up_rate
                    [2.0]⌉, floor + max_scale_up_step [1]) — one step per stable window (HPA's
@@ -53,6 +55,25 @@ defaults in brackets). Only *fresh* replicas count: a stale replica's numbers ar
                    < previous needed and no guard forbids it and not panicking; else previous
                    needed — then clamped to [min_replicas, max_replicas]
     desired      = min(max_replicas, needed + headroom_replicas)
+    burst guard  : a scale-down is *undone by a burst* when, within 2 × window of it, the load
+                   asks again (`up`, before the step cap) for at least the count it came down
+                   from and for at least panic_threshold × what it has now (a climb the step cap
+                   cannot make in one step; smaller swings are the tolerance band's and the flap
+                   guard's, and lengthening the window for them would hold a smooth load's
+                   hourly peak all day: the Azure 2023 conv trace lent 2 % of what it did). Then the
+                   window doubles, up to max_scale_down_stabilization_s [1 h]; after each
+                   burst_memory_s [24 h] without an undone scale-down it halves again, down to
+                   scale_down_stabilization_s. A service whose load comes in bursts a few minutes
+                   apart (the Azure 2023 code trace: 0 to 2.4× its busiest 10-minute window from
+                   one minute to the next) would otherwise park replicas between bursts and
+                   meet the next one with the step cap (2 → 64 replicas takes five stable
+                   windows) and, if the GPUs were lent, with a reclaim's lead time: the simulator
+                   measured more SLO-violation minutes than with every replica up, and research
+                   preempted thousands of times a day for loans of a few minutes. With the
+                   window lengthened to the bursts' spacing the service keeps what its bursts
+                   need and lends only what stays idle through them; a smooth load (ServeGen's
+                   10-minute windows) seldom undoes a scale-down, and where it does the longer
+                   window costs only its own swing. `ScaleState.window_s` / `window_at` keep it.
     flap guard   : a replica's load grows faster than linearly when one is removed (batching), so
                    n → n−1 can look right and be wrong (n−1 asks for n again). When a scale-down
                    from n is undone within 2 stabilisation windows, needed stays ≥ n until the load
@@ -152,6 +173,13 @@ class ScaleState:
     panic_at: float | None = None
     #: Since when no signal has been known (None: known at the last decision).
     unknown_since: float | None = None
+    #: The scale-down stabilisation window the burst guard set (None: the spec's
+    #: scale_down_stabilization_s) and when it last changed or was confirmed (it halves after
+    #: burst_memory_s from then).
+    window_s: float | None = None
+    window_at: float | None = None
+    #: The last scale-down for the burst guard: (from needed, when); dropped 2 windows after.
+    burst_from: tuple[int, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,9 +216,11 @@ def decide_scale(
 
     first = state.needed is None
     prev_needed = _clamp(base, lo, hi) if state.needed is None else _clamp(state.needed, lo, hi)
-    keep = max(t.scale_up_window_s, t.scale_down_stabilization_s)
-    cut = now - keep
-    history = tuple([entry for entry in state.history if entry[0] >= cut])
+    window, window_at, relaxed = _stabilization(t, state, now)
+    if relaxed:
+        notes.append(relaxed)
+    cut = now - max(t.scale_up_window_s, window)
+    history = _window_maxima(state.history, cut)
 
     fresh, n_stale, totals, per_signal, parts = _sums(spec, signals)
     known = [v for v in per_signal.values() if v is not None]
@@ -231,6 +261,9 @@ def decide_scale(
                 steps=steps,
                 panic_at=state.panic_at,
                 unknown_since=unknown_since,
+                window_s=_kept_window(t, window),
+                window_at=window_at,
+                burst_from=state.burst_from,
             ),
         )
 
@@ -272,7 +305,7 @@ def decide_scale(
             else f"panic for {_num(panic_at + stable_w - now)}s more (no scale-down)"
         )
     up = max(stable, panic_ask) if panic_at is not None else stable
-    since = now - t.scale_down_stabilization_s
+    since = now - window
     down = max([r for at, r in history if at >= since])
     worth = _worth(spec, totals)
     flap_guard = state.flap_guard
@@ -311,19 +344,36 @@ def decide_scale(
         if needed >= level and now - at <= 2 * t.scale_down_stabilization_s and load_then > 0:
             flap_guard = (level, load_then)  # the scale-down was a mistake: do not repeat it
         down_from = None
+    burst_from = state.burst_from
+    if burst_from is not None and now - burst_from[1] > 2 * window + _EPS:
+        burst_from = None  # long enough ago: whatever comes now is new load
+    if needed < prev_needed:
+        burst_from = (prev_needed, now)
+    elif (
+        needed > prev_needed
+        and burst_from is not None
+        and up >= burst_from[0]
+        and up >= t.panic_threshold * max(prev_needed, 1) - _EPS
+    ):
+        longer = min(2 * window, max(t.max_scale_down_stabilization_s, t.scale_down_stabilization_s))
+        parts.append(
+            f"burst guard: the scale-down from {burst_from[0]} {_num(now - burst_from[1])}s ago is "
+            f"undone (ask {up}): stabilisation {_num(window)}s → {_num(longer)}s"
+        )
+        window, window_at, burst_from = longer, now, None
 
-    window = _num(t.scale_down_stabilization_s)
+    window_text = _num(window)
     if needed > prev_needed:
         move = f"scale-up{capped}"
     elif needed < prev_needed:
-        move = f"scale-down to the highest of the last {window}s"
+        move = f"scale-down to the highest of the last {window_text}s"
     elif rec < prev_needed and lo < prev_needed:
         if guards:
             move = "no scale-down: guard"
         elif panic_at is not None:
             move = "no scale-down: panic"
         else:
-            move = f"scale-down waits: {down} within the last {window}s"
+            move = f"scale-down waits: {down} within the last {window_text}s"
     elif rec > prev_needed and needed < hi:
         move = f"scale-up waits: {_num(stable_w)}s sustained (lowest {stable})"
     else:
@@ -345,12 +395,70 @@ def decide_scale(
         unknown=False,
         reason=reason,
         state=ScaleState(
-            spec.name, history, desired, needed, down_from, flap_guard, recent, steps, panic_at, None
+            spec.name,
+            history,
+            desired,
+            needed,
+            down_from,
+            flap_guard,
+            recent,
+            steps,
+            panic_at,
+            None,
+            window_s=_kept_window(t, window),
+            window_at=window_at,
+            burst_from=burst_from,
         ),
     )
 
 
 # -- the windows --------------------------------------------------------------------------------
+
+
+def stabilization_window(t: AutoscaleTargets, state: ScaleState) -> float:
+    """The scale-down stabilisation window in force for a service (the burst guard's, if longer)."""
+    base = t.scale_down_stabilization_s
+    top = max(t.max_scale_down_stabilization_s, base)
+    return base if state.window_s is None else min(max(state.window_s, base), top)
+
+
+def _stabilization(t: AutoscaleTargets, state: ScaleState, now: float) -> tuple[float, float | None, str]:
+    """(window, when it was set, a note when it halved now): the burst guard's window, halved
+    once for every whole burst_memory_s since it was set, down to the spec's."""
+    base = t.scale_down_stabilization_s
+    window = stabilization_window(t, state)
+    at = state.window_at
+    if window <= base or at is None:
+        return base, None, ""
+    if now - at < t.burst_memory_s:
+        return window, at, ""
+    before = window
+    while window > base and now - at >= t.burst_memory_s:
+        window = max(base, window / 2)
+        at = at + t.burst_memory_s if t.burst_memory_s > 0 else now
+    note = (
+        f"burst guard: no undone scale-down for {_num(t.burst_memory_s)}s: "
+        f"stabilisation {_num(before)}s → {_num(window)}s"
+    )
+    return window, (at if window > base else None), note
+
+
+def _kept_window(t: AutoscaleTargets, window: float) -> float | None:
+    return None if window <= t.scale_down_stabilization_s else window
+
+
+def _window_maxima(entries: Sequence[tuple[float, int]], cut: float) -> tuple[tuple[float, int], ...]:
+    """The entries at or after `cut` that no later entry matches or exceeds: enough for the
+    highest recommendation of any window ending now (an entry with a later one at least as high
+    never decides one), so a window of an hour keeps a handful of entries, not one per tick."""
+    out: list[tuple[float, int]] = []
+    for entry in entries:
+        if entry[0] < cut:
+            continue
+        while out and out[-1][1] <= entry[1]:
+            out.pop()
+        out.append(entry)
+    return tuple(out)
 
 
 def _prune(entries: tuple[tuple[float, int], ...], start: float) -> tuple[tuple[float, int], ...]:
@@ -579,11 +687,12 @@ def next_decision_at(decision: ScaleDecision, spec: ServiceSpec) -> float | None
     """When this decision could change if the load stayed as it is now (None: not on its own).
 
     Time alone changes it when: a waiting scale-down's highest recommendations leave the
-    stabilisation window (and, while panicking, the panic ends a stable window after its last
-    panic reading); a waiting scale-up's lower recommendations stop being in force at the start
-    of the stable or the panic window; a capped scale-up's floor leaves the stable window; unknown
-    data reaches `fallback_after_s`. The caller (the loop, the simulator) need not decide again
-    before the earliest of these unless the load or the supply changes (docs/architecture.md §4.3).
+    stabilisation window or the burst guard's window halves (and, while panicking, the panic ends
+    a stable window after its last panic reading); a waiting scale-up's lower recommendations
+    stop being in force at the start of the stable or the panic window; a capped scale-up's
+    floor leaves the stable window; unknown data reaches `fallback_after_s`. The caller (the
+    loop, the simulator) need not decide again before the earliest of these unless the load or
+    the supply changes (docs/architecture.md §4.3).
     An early time is harmless (the decision is made again and does not change); a late one would
     make the simulator scale later than the loop.
     """
@@ -601,7 +710,9 @@ def next_decision_at(decision: ScaleDecision, spec: ServiceSpec) -> float | None
         if decision.guard is None and rec < decision.needed and decision.needed > spec.min_replicas:
             holding = [at for at, r in st.history if r >= decision.needed]
             if holding:
-                at = max(holding) + t.scale_down_stabilization_s
+                at = max(holding) + stabilization_window(t, st)
+                if st.window_at is not None and st.window_s is not None:
+                    times.append(st.window_at + t.burst_memory_s)  # the window halves then
                 if st.panic_at is not None and st.panic_at + stable_w > at:
                     times.append(st.panic_at + stable_w)
                 else:

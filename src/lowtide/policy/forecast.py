@@ -23,7 +23,9 @@ samples, so the tick rate does not change how fast old weeks fade:
 
 Within one hour of one week the samples weigh (almost) the same; a week later the older ones
 weigh 2^(−7/14) ≈ 0.71 as much. `peak_within(t, h)` is the highest prediction over (t, t + h]
-and the earliest time it starts: t itself for the current hour, else the start of the hour.
+and the earliest time it starts: t itself for the current hour, else the start of the hour;
+`ramp_within(t, h)` the same over the hours that climb (more than the hour before), which is what
+mode `forecast` reserves.
 Hour boundaries are found at UTC quarter-hours (every time zone in use today is offset by a
 multiple of 15 minutes).
 """
@@ -42,6 +44,10 @@ DEFAULT_HALF_LIFE_S = 14 * 86400.0
 DEFAULT_MIN_SAMPLES = 10
 _FORMAT_VERSION = 1
 _QUARTER_S = 900
+#: An hour ramps when its mean is at least this fraction (and one replica) above the hour
+#: before's: smaller rises are noise of a load that is the same every hour (a bursty one's hourly
+#: means differ by a few per cent), which would otherwise hold the mean through half the hours.
+RAMP_MIN_RISE = 0.1
 _SCAN_LIMIT_S = 8 * 86400.0  # every hour of the week occurs within 8 days, DST included
 
 
@@ -148,6 +154,44 @@ class WeeklyProfile:
                 current = index
             q += _QUARTER_S
         return best
+
+    def ramp_within(self, t: float, horizon_s: float) -> tuple[float, float] | None:
+        """`peak_within`, counting only hours that ramp: the profile expects clearly more than in
+        the hour before (by `RAMP_MIN_RISE` of it and at least one replica; the hour before not
+        known yet counts as a ramp). Mode `forecast` reserves by this:
+        an hour's mean says how much the hour needs on average, not when within it, so holding
+        it through a flat or falling hour only lends less than the load needs now (minute-bursty
+        loads sit below their hour's mean most of the time); in an hour that climbs, holding it
+        from `lead` before the hour to its end takes the ramp's GPUs back before the ramp."""
+        if not (math.isfinite(t) and horizon_s > 0):
+            return None
+        zone = ZoneInfo(self.timezone)
+        end = t + min(horizon_s, _SCAN_LIMIT_S)
+        best: tuple[float, float] | None = None
+
+        def consider(at: float, index: int) -> None:
+            nonlocal best
+            mean = self._known_mean(index)
+            if mean is None or (best is not None and mean <= best[0]):
+                return
+            before = self._known_mean((index - 1) % HOURS_PER_WEEK)
+            if before is None or mean >= before + max(1.0, RAMP_MIN_RISE * before):
+                best = (mean, at)
+
+        current = _hour_of_week(t, zone)
+        consider(t, current)
+        q = (math.floor(t / _QUARTER_S) + 1) * _QUARTER_S
+        while q <= end:
+            index = _hour_of_week(q, zone)
+            if index != current:
+                consider(float(q), index)
+                current = index
+            q += _QUARTER_S
+        return best
+
+    def _known_mean(self, index: int) -> float | None:
+        b = self.bins[index]
+        return b.mean if b.count >= self.min_samples else None
 
     # -- persistence ----------------------------------------------------------------------------
 

@@ -770,11 +770,12 @@ def _slope(history: Sequence[tuple[float, int]]) -> float | None:
 def forecast_peak(
     profile: WeeklyProfile | None, now: float, lending: LendingPolicy
 ) -> tuple[int, float] | None:
-    """The peak of needed replicas the weekly profile predicts within the lead time, and when
-    (None: not mode `forecast`, or nothing predicted)."""
+    """The peak of needed replicas the weekly profile predicts within the lead time for an hour
+    that climbs (`WeeklyProfile.ramp_within`), and when (None: not mode `forecast`, or no ramp
+    predicted)."""
     if lending.mode != "forecast" or profile is None:
         return None
-    peak = profile.peak_within(now, lending.reclaim_lead_s)
+    peak = profile.ramp_within(now, lending.reclaim_lead_s)
     return None if peak is None else (math.ceil(peak[0]), peak[1])
 
 

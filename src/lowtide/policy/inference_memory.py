@@ -4,10 +4,12 @@ Role: `encode_memory` turns the parts of `policy.inference_snapshot.InferenceMem
 decisions depend on into a JSON document, and `decode_memory` turns one back into memory to start
 from. Kept: per service the autoscaler's `ScaleState` (its window readings `history`, `recent`
 and `steps`, the last `desired`/`needed`, the last scale-down `down_from`, the `flap_guard`,
-`panic_at`, `unknown_since`), the needed-replicas history the growth slope reads, the surge times
-of open reclaims (`surge_at`) and the alert texts. Not kept: the forecast profiles (saved on their
-own, `control.inference`) and `fresh_at` (a restarted control plane must see fresh data before it
-trusts any: start-up freshness is `policy.inference`'s rule).
+`panic_at`, `unknown_since`, the burst guard's `window_s`/`window_at`/`burst_from`; a document
+written before the burst guard existed reads as no lengthened window), the needed-replicas
+history the growth slope reads, the surge times of open reclaims (`surge_at`) and the alert
+texts. Not kept: the forecast profiles (saved on their own, `control.inference`) and `fresh_at`
+(a restarted control plane must see fresh data before it trusts any: start-up freshness is
+`policy.inference`'s rule).
 
 Times are control time (`now`, seconds since the epoch), so a reading taken before the restart
 keeps its place in the windows after it. A restored time later than the `now` it is restored at
@@ -54,6 +56,9 @@ def encode_memory(memory: InferenceMemory, now: float) -> dict[str, Any]:
                 "steps": _pairs(state.steps),
                 "panic_at": state.panic_at,
                 "unknown_since": state.unknown_since,
+                "window_s": state.window_s,
+                "window_at": state.window_at,
+                "burst_from": list(state.burst_from) if state.burst_from is not None else None,
             }
         if name in memory.needed_history:
             entry["needed_history"] = _pairs(memory.needed_history[name])
@@ -139,6 +144,7 @@ def _scale_state(name: str, value: Any, now: float) -> ScaleState | None:
         raise TypeError("scale")
     down = value.get("down_from")
     guard = value.get("flap_guard")
+    window, burst = value.get("window_s"), value.get("burst_from")
     desired, needed = value.get("desired"), value.get("needed")
     return ScaleState(
         service=name,
@@ -151,4 +157,7 @@ def _scale_state(name: str, value: Any, now: float) -> ScaleState | None:
         steps=_read_pairs(value.get("steps", []), now),
         panic_at=_time(value.get("panic_at"), now),
         unknown_since=_time(value.get("unknown_since"), now),
+        window_s=None if window is None else _number(window),
+        window_at=_time(value.get("window_at"), now),
+        burst_from=None if burst is None else (_count(burst[0]), min(_number(burst[1]), now)),
     )

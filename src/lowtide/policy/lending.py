@@ -16,7 +16,8 @@ unpark, computed by the caller):
                 (growth_per_s = slope of s's *needed replicas*, replicas/s, over the recent past;
                 None or ≤ 0: no growth reserve)
     fcast_s   = min(max_replicas, forecast_needed + headroom) − claim_s, ≥ 0   (mode forecast only;
-                forecast_needed = the profile's peak of needed replicas within the lead time)
+                forecast_needed = the profile's peak of needed replicas within the lead time
+                over the hours that climb, `WeeklyProfile.ramp_within`)
     reserve_s = max(growth_s, fcast_s)
 
     inference_claim = Σ_s (claim_s + reserve_s) × g

@@ -13,7 +13,8 @@ files or the clock.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 
 from lowtide.sim.capacity import steady_state
 from lowtide.sim.jobs import ResearchJob
@@ -57,10 +58,12 @@ def needed_replicas(service: SimService, rate_rps: float) -> int:
     return min(spec.max_replicas, need + spec.headroom_replicas)
 
 
-def oracle_idle_gpu_seconds(services: Sequence[SimService], pool_gpus: int, duration_s: float) -> float:
-    """∫ (pool − Σ needed × gpus_per_replica)⁺ dt over [0, duration_s) (curve time)."""
+def idle_stretches(
+    services: Sequence[SimService], pool_gpus: int, duration_s: float
+) -> Iterator[tuple[float, float, int]]:
+    """(start, end, idle GPUs) of each stretch of constant load over [0, duration_s) (curve
+    time): idle = (pool − Σ needed × gpus_per_replica)⁺."""
     cache: dict[tuple[str, float], int] = {}
-    total = 0.0
     t = 0.0
     while t < duration_s:
         nxt = min([duration_s, *(s.curve.next_change_after(t) for s in services)])
@@ -71,11 +74,74 @@ def oracle_idle_gpu_seconds(services: Sequence[SimService], pool_gpus: int, dura
             if key not in cache:
                 cache[key] = needed_replicas(s, rate)
             held += cache[key] * s.setup.spec.gpus_per_replica
-        total += max(0, pool_gpus - held) * (nxt - t)
+        yield t, nxt, max(0, pool_gpus - held)
         if not math.isfinite(nxt) or nxt <= t:
             break
         t = nxt
+
+
+def oracle_idle_gpu_seconds(services: Sequence[SimService], pool_gpus: int, duration_s: float) -> float:
+    """∫ (pool − Σ needed × gpus_per_replica)⁺ dt over [0, duration_s) (curve time)."""
+    return sum(idle * (end - start) for start, end, idle in idle_stretches(services, pool_gpus, duration_s))
+
+
+#: The spell lengths `oracle_idle_gpu_hours_in_spells` reports (label → seconds).
+SPELLS: tuple[tuple[str, float], ...] = (("10m", 600.0), ("30m", 1800.0), ("1h", 3600.0))
+_CELL_S = 60.0
+
+
+def idle_in_spells(
+    services: Sequence[SimService], pool_gpus: int, duration_s: float, spell_s: float, cell_s: float = _CELL_S
+) -> float:
+    """The GPU-seconds of the oracle's idle that loans of at least `spell_s` can use: the idle
+    curve's morphological opening by a window of that length (a GPU counts at t when some window
+    of `spell_s` around t keeps at least that many GPUs idle throughout), integrated. On a grid of
+    `cell_s` cells, each cell at the least idle of the stretches it meets (so the figure never
+    exceeds the exact one; both agree when every change falls on the grid, as the traces' 60-s and
+    600-s bins do). It says how much of the bound a policy that must lend for minutes at least
+    could reach: on a load that swings minute to minute, little."""
+    cells = max(1, math.ceil(duration_s / cell_s - 1e-9))
+    idle = [pool_gpus] * cells
+    for start, end, value in idle_stretches(services, pool_gpus, duration_s):
+        first = int(start // cell_s)
+        last = min(cells - 1, max(first, math.ceil(end / cell_s) - 1))
+        for c in range(first, last + 1):
+            idle[c] = min(idle[c], value)
+    width = max(1, math.ceil(spell_s / cell_s - 1e-9))
+    if width > cells:
+        return 0.0  # no loan that long fits in the run
+    if width == cells:
+        return min(idle) * duration_s
+    eroded = _sliding(idle, width, smallest=True)  # eroded[i]: least idle over cells i .. i + width − 1
+    opened = _sliding([0] * (width - 1) + eroded + [0] * (width - 1), width, smallest=False)
+    total = 0.0
+    for c in range(cells):
+        span = min(cell_s, duration_s - c * cell_s)
+        total += opened[c] * span
     return total
+
+
+def _sliding(values: Sequence[int], width: int, *, smallest: bool) -> list[int]:
+    """The least (or greatest) of every `width` consecutive values, in O(n) (a monotone deque)."""
+    out: list[int] = []
+    window: deque[int] = deque()  # indices of candidates, the best first
+    for i, v in enumerate(values):
+        while window and (values[window[-1]] >= v if smallest else values[window[-1]] <= v):
+            window.pop()
+        window.append(i)
+        if window[0] <= i - width:
+            window.popleft()
+        if i >= width - 1:
+            out.append(values[window[0]])
+    return out
+
+
+def idle_in_spells_gpu_hours(
+    services: Sequence[SimService], pool_gpus: int, duration_s: float
+) -> dict[str, float]:
+    """`idle_in_spells` for each of `SPELLS`, in GPU-hours (summary key
+    `oracle_idle_gpu_hours_in_spells`)."""
+    return {label: idle_in_spells(services, pool_gpus, duration_s, spell) / 3600.0 for label, spell in SPELLS}
 
 
 def oracle_harvest_gpu_seconds(

@@ -6,7 +6,9 @@ baseline's figures inside it; `oracle` is the bound of `sim.oracle`, not a run. 
 the same for several policies, sharing one baseline and one oracle computation. The oracle gives
 two bounds: the idle GPU-hours (`oracle_idle_gpu_hours`, the denominator of `harvest_efficiency`)
 and what the scenario's jobs could have used of them (`oracle_harvest_gpu_hours`, the `oracle`
-row's harvest and the denominator of `harvest_efficiency_of_demand`).
+row's harvest and the denominator of `harvest_efficiency_of_demand`), and how much of the idle
+lies in spells of at least 10 minutes, 30 minutes and an hour (`oracle_idle_gpu_hours_in_spells`,
+`sim.oracle.idle_in_spells`: what loans that must last that long could reach).
 Neighbours: `cli.simulate_cmd`, `benchmarks/simulate.py`, the simulator tests.
 Must not: print or write files (the callers do).
 """
@@ -18,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lowtide.sim.oracle import oracle_harvest_gpu_seconds, oracle_idle_gpu_seconds
+from lowtide.sim.oracle import idle_in_spells_gpu_hours, oracle_harvest_gpu_seconds, oracle_idle_gpu_seconds
 from lowtide.sim.policies import PolicyName
 from lowtide.sim.scenario import Scenario, policy_variant
 from lowtide.sim.summary import baseline_figures, oracle_summary, summarize
@@ -72,6 +74,7 @@ def compare(
     harvest_s = oracle_harvest_gpu_seconds(
         scenario.services, scenario.pool_gpus, duration, scenario.jobs, scenario.steps.restart_s
     )
+    spells = idle_in_spells_gpu_hours(scenario.services, scenario.pool_gpus, duration)
     none = run_one(scenario, "none", oracle_s=oracle_s, price=price, currency=currency, baseline=None)
     base = baseline_figures(none.summary)
     runs: list[PolicyRun] = []
@@ -95,6 +98,8 @@ def compare(
                     baseline=base,
                 )
             )
+    for run in runs:
+        run.summary["oracle_idle_gpu_hours_in_spells"] = dict(spells)
     return runs
 
 
