@@ -132,37 +132,19 @@ class WeeklyProfile:
     def peak_within(self, t: float, horizon_s: float) -> tuple[float, float] | None:
         """(value, time) of the highest prediction over (t, t + horizon_s]; the earliest time on
         ties; t itself when the current hour holds the peak. None when no bin there is known."""
-        if not (math.isfinite(t) and horizon_s > 0):
-            return None
-        zone = ZoneInfo(self.timezone)
-        end = t + min(horizon_s, _SCAN_LIMIT_S)
-        best: tuple[float, float] | None = None
-
-        def consider(at: float, index: int) -> None:
-            nonlocal best
-            b = self.bins[index]
-            if b.count >= self.min_samples and b.mean is not None and (best is None or b.mean > best[0]):
-                best = (b.mean, at)
-
-        current = _hour_of_week(t, zone)
-        consider(t, current)
-        q = (math.floor(t / _QUARTER_S) + 1) * _QUARTER_S
-        while q <= end:
-            index = _hour_of_week(q, zone)
-            if index != current:
-                consider(float(q), index)
-                current = index
-            q += _QUARTER_S
-        return best
+        return self._highest(t, horizon_s, ramps_only=False)
 
     def ramp_within(self, t: float, horizon_s: float) -> tuple[float, float] | None:
         """`peak_within`, counting only hours that ramp: the profile expects clearly more than in
         the hour before (by `RAMP_MIN_RISE` of it and at least one replica; the hour before not
-        known yet counts as a ramp). Mode `forecast` reserves by this:
-        an hour's mean says how much the hour needs on average, not when within it, so holding
-        it through a flat or falling hour only lends less than the load needs now (minute-bursty
-        loads sit below their hour's mean most of the time); in an hour that climbs, holding it
-        from `lead` before the hour to its end takes the ramp's GPUs back before the ramp."""
+        known yet counts as a ramp). Mode `forecast` reserves by this: an hour's mean says how
+        much the hour needs on average, not when within it, so holding it through a flat or
+        falling hour only lends less than the load needs now (minute-bursty loads sit below their
+        hour's mean most of the time); in an hour that climbs, holding it from `lead` before the
+        hour to its end takes the ramp's GPUs back before the ramp."""
+        return self._highest(t, horizon_s, ramps_only=True)
+
+    def _highest(self, t: float, horizon_s: float, *, ramps_only: bool) -> tuple[float, float] | None:
         if not (math.isfinite(t) and horizon_s > 0):
             return None
         zone = ZoneInfo(self.timezone)
@@ -174,9 +156,11 @@ class WeeklyProfile:
             mean = self._known_mean(index)
             if mean is None or (best is not None and mean <= best[0]):
                 return
-            before = self._known_mean((index - 1) % HOURS_PER_WEEK)
-            if before is None or mean >= before + max(1.0, RAMP_MIN_RISE * before):
-                best = (mean, at)
+            if ramps_only:
+                before = self._known_mean((index - 1) % HOURS_PER_WEEK)
+                if before is not None and mean < before + max(1.0, RAMP_MIN_RISE * before):
+                    return
+            best = (mean, at)
 
         current = _hour_of_week(t, zone)
         consider(t, current)
