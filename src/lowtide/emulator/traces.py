@@ -414,7 +414,13 @@ def servegen_aggregate(
 
 def read_azure_csv(path: Path) -> list[tuple[float, int, int]]:
     """(seconds since the first request, context tokens, generated tokens) for every row."""
-    out: list[tuple[float, int, int]] = []
+    return list(iter_azure_csv(path))
+
+
+def iter_azure_csv(path: Path) -> Iterator[tuple[float, int, int]]:
+    """`read_azure_csv` row by row (a week-long Azure trace holds millions of rows: a caller that
+    only counts them need not hold them); a malformed row raises ValueError naming file and line."""
+    last = -math.inf
     first: datetime | None = None
     with path.open(newline="") as handle:
         reader = csv.reader(handle)
@@ -443,10 +449,10 @@ def read_azure_csv(path: Path) -> list[tuple[float, int, int]]:
                 raise ValueError(f"{where}: token counts must be >= 0")
             first = stamp if first is None else first
             at = (stamp - first).total_seconds()
-            if out and at < out[-1][0]:
+            if at < last:
                 raise ValueError(f"{where}: timestamps go backwards")
-            out.append((at, prompt, output))
-    return out
+            last = at
+            yield at, prompt, output
 
 
 def azure(

@@ -51,8 +51,8 @@ from lowtide.emulator.traces import (
     RateWindow,
     TokenSampler,
     TraceSpec,
+    iter_azure_csv,
     parse_trace_spec,
-    read_azure_csv,
     read_servegen_aggregate,
     read_servegen_client,
     servegen_client_files,
@@ -320,20 +320,34 @@ def _sum_windows(windows: Sequence[RateWindow]) -> tuple[list[float], list[float
 
 
 def _azure_bins(path: Path) -> tuple[list[float], list[float], float, float, float]:
-    rows = read_azure_csv(path)
+    """Requests per 60-s bin (the last, partial bin left out), mean prompt and output tokens; read
+    row by row, so a week-long trace costs its bins, not its millions of rows."""
+    counts: list[int] = []
+    rows = 0
+    last = 0.0
+    prompt_sum = output_sum = 0
+    for at, prompt, output in iter_azure_csv(path):
+        k = int(at // BIN_S)
+        if k >= len(counts):
+            counts.extend([0] * (k + 1 - len(counts)))
+        counts[k] += 1
+        rows += 1
+        last = at
+        prompt_sum += prompt
+        output_sum += max(output, 1)
     if not rows:
         raise ValueError(f"{path}: no requests")
-    bins = math.floor(rows[-1][0] / BIN_S)
+    bins = math.floor(last / BIN_S)
     if bins < 1:
         raise ValueError(f"{path}: the trace lasts under {BIN_S:g} s; too short for a rate curve")
-    counts = [0] * bins
-    for at, _, _ in rows:
-        k = int(at // BIN_S)
-        if k < bins:
-            counts[k] += 1
-    prompt = math.fsum(p for _, p, _ in rows) / len(rows)
-    output = math.fsum(max(o, 1) for _, _, o in rows) / len(rows)
-    return [k * BIN_S for k in range(bins)], [c / BIN_S for c in counts], bins * BIN_S, prompt, output
+    counts = counts[:bins]
+    return (
+        [k * BIN_S for k in range(bins)],
+        [c / BIN_S for c in counts],
+        bins * BIN_S,
+        prompt_sum / rows,
+        output_sum / rows,
+    )
 
 
 def _rotate(
