@@ -542,3 +542,16 @@ def test_the_idle_in_spells_is_the_opening_of_the_idle_curve(rates: list[float],
     got = idle_in_spells(svc, 8, 60.0 * minutes, 60.0 * width)
     assert got == pytest.approx(expected)
     assert got <= oracle_idle_gpu_seconds(svc, 8, 60.0 * minutes) + 1e-6
+
+
+def test_the_oracle_idle_is_what_the_curve_needs_at_the_replicas_target_rate() -> None:
+    """An independent computation from the curve alone: a replica carries `peak_rps` (10 req/s)
+    at the autoscaler's concurrency target, so the load needs ⌈rate ÷ 10⌉ replicas (at least
+    min_replicas, at most max_replicas); every other GPU is idle. The oracle gives exactly that
+    (its tolerance band would have lent up to 10 % more)."""
+    rates = [0.5, 3.0, 9.9, 10.0, 10.1, 19.0, 27.5, 31.0, 12.0, 4.0]
+    curve = LoadCurve(tuple(3600.0 * i for i in range(len(rates))), tuple(rates))
+    svc = (service(curve, max_replicas=4),)
+    expected = sum(max(0, 16 - 4 * min(4, max(1, math.ceil(r / 10.0)))) * 3600.0 for r in rates)
+    assert [needed_replicas(svc[0], r) for r in rates] == [min(4, max(1, math.ceil(r / 10.0))) for r in rates]
+    assert oracle_idle_gpu_seconds(svc, 16, 3600.0 * len(rates)) == pytest.approx(expected)

@@ -26,11 +26,16 @@ _EPS = 1e-9
 def needed_replicas(service: SimService, rate_rps: float) -> int:
     """Replicas the service needs at a steady `rate_rps`, headroom included (see the docstring).
 
-    The fewest n in [min_replicas, max_replicas] that the autoscaler would keep at this load: not
-    overloaded, within the TTFT SLO guard when one is set, and each signal's recommendation
-    (⌈Σ concurrency / target⌉, ⌈Σ KV usage / target⌉) within the autoscaler's tolerance band of
-    n (it does not move inside ±tolerance). That is the most lending the production autoscaler
-    allows at this load, so no policy harvests more than the bound in steady state.
+    The fewest n in [min_replicas, max_replicas] that carry this load at the autoscaler's
+    targets: not overloaded, within the TTFT SLO guard when one is set, and each signal's
+    recommendation (⌈Σ concurrency / target⌉, ⌈Σ KV usage / target⌉) at most n. For the
+    concurrency signal that is ⌈rate ÷ the per-replica rate at the target⌉ (the batch grows
+    faster than linearly with a replica's rate, so fewer replicas cannot hold the target), the
+    figure an independent computation from the curve and `replica_capacity_rps` gives. The
+    autoscaler's tolerance band is left out on purpose: it is hysteresis, not need (the
+    autoscaler may sit up to `tolerance` below or above this while the load moves inside the
+    band; counting the band's favourable side made the bound 11 % larger than that computation on
+    Azure's conv trace).
     """
     spec = service.setup.spec
     targets = spec.autoscale
@@ -51,8 +56,7 @@ def needed_replicas(service: SimService, rate_rps: float) -> int:
             raws.append(math.ceil(n * (load.running + load.waiting) / targets.concurrency_per_replica - _EPS))
         if targets.kv_usage is not None:
             raws.append(math.ceil(n * load.kv_usage / targets.kv_usage - _EPS))
-        raw = max(raws, default=n)
-        if raw - n <= targets.up_tolerance * n + _EPS:
+        if max(raws, default=n) <= n:
             need = n
             break
     return min(spec.max_replicas, need + spec.headroom_replicas)
