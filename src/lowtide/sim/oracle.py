@@ -104,6 +104,14 @@ def idle_in_spells(
     exceeds the exact one; both agree when every change falls on the grid, as the traces' 60-s and
     600-s bins do). It says how much of the bound a policy that must lend for minutes at least
     could reach: on a load that swings minute to minute, little."""
+    idle = _idle_cells(services, pool_gpus, duration_s, cell_s)
+    return _opened_total(idle, duration_s, spell_s, cell_s)
+
+
+def _idle_cells(
+    services: Sequence[SimService], pool_gpus: int, duration_s: float, cell_s: float
+) -> list[int]:
+    """The idle GPUs of each `cell_s` cell of [0, duration_s): the least of the stretches it meets."""
     cells = max(1, math.ceil(duration_s / cell_s - 1e-9))
     idle = [pool_gpus] * cells
     for start, end, value in idle_stretches(services, pool_gpus, duration_s):
@@ -111,6 +119,12 @@ def idle_in_spells(
         last = min(cells - 1, max(first, math.ceil(end / cell_s) - 1))
         for c in range(first, last + 1):
             idle[c] = min(idle[c], value)
+    return idle
+
+
+def _opened_total(idle: list[int], duration_s: float, spell_s: float, cell_s: float) -> float:
+    """∫ of the opening of the cells' idle by `spell_s` (see `idle_in_spells`)."""
+    cells = len(idle)
     width = max(1, math.ceil(spell_s / cell_s - 1e-9))
     if width > cells:
         return 0.0  # no loan that long fits in the run
@@ -145,7 +159,8 @@ def idle_in_spells_gpu_hours(
 ) -> dict[str, float]:
     """`idle_in_spells` for each of `SPELLS`, in GPU-hours (summary key
     `oracle_idle_gpu_hours_in_spells`)."""
-    return {label: idle_in_spells(services, pool_gpus, duration_s, spell) / 3600.0 for label, spell in SPELLS}
+    idle = _idle_cells(services, pool_gpus, duration_s, _CELL_S)  # the curve walked once for all three
+    return {label: _opened_total(idle, duration_s, spell, _CELL_S) / 3600.0 for label, spell in SPELLS}
 
 
 def oracle_harvest_gpu_seconds(
