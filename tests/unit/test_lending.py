@@ -321,9 +321,10 @@ def test_forecast_brings_gpus_back_before_the_morning_peak() -> None:
     for minute in range(7 * 60 + 30, 8 * 60 + 6):
         now = berlin(2026, 1, 12, minute // 60, minute % 60)
         desired = 8 if minute >= 8 * 60 else 2  # the load itself arrives at 08:00
-        peak = profile.peak_within(now, lead)
-        assert peak is not None
-        service = svc(desired=desired, forecast=math.ceil(peak[0]), forecast_at=peak[1])
+        peak = profile.ramp_within(now, lead)  # what mode `forecast` reserves by (forecast_peak)
+        assert (peak is None) == (minute < 7 * 60 + 50)  # 07:00 is flat; 08:00 climbs (2 → 8)
+        forecast = (math.ceil(peak[0]), peak[1]) if peak is not None else (None, None)
+        service = svc(desired=desired, forecast=forecast[0], forecast_at=forecast[1])
         env = lend([service], pool=pool, lent=lent, now=now, mode="forecast", lead=lead)
         continuous = lend([replace(service, forecast_needed=None)], pool=pool, lent=lent, now=now, lead=lead)
         timeline.append((f"{minute // 60:02d}:{minute % 60:02d}", env.lendable_gpus, env.return_by))

@@ -355,7 +355,7 @@ def decide_scale(
         and up >= burst_from[0]
         and up >= t.panic_threshold * max(prev_needed, 1) - _EPS
     ):
-        longer = min(2 * window, max(t.max_scale_down_stabilization_s, t.scale_down_stabilization_s))
+        longer = min(2 * window, _longest_window(t))
         parts.append(
             f"burst guard: the scale-down from {burst_from[0]} {_num(now - burst_from[1])}s ago is "
             f"undone (ask {up}): stabilisation {_num(window)}s → {_num(longer)}s"
@@ -418,8 +418,12 @@ def decide_scale(
 def stabilization_window(t: AutoscaleTargets, state: ScaleState) -> float:
     """The scale-down stabilisation window in force for a service (the burst guard's, if longer)."""
     base = t.scale_down_stabilization_s
-    top = max(t.max_scale_down_stabilization_s, base)
-    return base if state.window_s is None else min(max(state.window_s, base), top)
+    return base if state.window_s is None else min(max(state.window_s, base), _longest_window(t))
+
+
+def _longest_window(t: AutoscaleTargets) -> float:
+    """How long the burst guard may stretch the window (a maximum below the window itself: off)."""
+    return max(t.max_scale_down_stabilization_s, t.scale_down_stabilization_s)
 
 
 def _stabilization(t: AutoscaleTargets, state: ScaleState, now: float) -> tuple[float, float | None, str]:
